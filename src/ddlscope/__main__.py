@@ -1,0 +1,5 @@
+import sys
+
+from ddlscope.cli import main
+
+sys.exit(main())

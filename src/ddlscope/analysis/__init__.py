@@ -1,0 +1,1 @@
+"""Analysis of stored runs: summaries, breakdowns, speedups (no torch needed)."""

@@ -1,0 +1,141 @@
+"""The summary of one stored run: throughput, speedup, breakdown, memory, metric.
+
+Throughput counts steady-state steps only: step 0 pays one-off costs (DDP
+bucket construction, lazy allocation), so it is left out when there are
+others. A step lasts as long as its slowest rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ddlscope.store import Run, Store
+
+PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
+
+
+@dataclass
+class Summary:
+    run: dict[str, Any]
+    steps_recorded: int
+    ranks_recorded: int
+    warmup_steps_excluded: int
+    mean_step_s: float | None
+    throughput_samples_per_s: float | None
+    baseline_run_id: int | None
+    speedup_vs_single: float | None
+    scaling_efficiency: float | None
+    breakdown_mean_s: dict[str, float]
+    breakdown_fraction: dict[str, float]
+    comm: dict[str, float]
+    memory_bytes_by_rank: dict[int, dict[str, int]]
+    final_eval: dict[str, Any] | None
+    final_loss: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory_bytes_by_rank"] = {str(k): v for k, v in self.memory_bytes_by_rank.items()}
+        return d
+
+
+def summarize(store: Store, run: Run) -> Summary:
+    rows = store.steps(run.id)
+    steps = sorted({r["step"] for r in rows})
+    warmup = 1 if len(steps) > 1 else 0
+    steady = [r for r in rows if r["step"] >= (steps[warmup] if steps else 0)]
+    by_step: dict[int, list[Any]] = {}
+    for r in steady:
+        by_step.setdefault(r["step"], []).append(r)
+
+    mean_step_s = statistics.fmean(max(r["step_s"] for r in rs) for rs in by_step.values()) if by_step else None
+    global_samples = statistics.fmean(sum(r["samples"] for r in rs) for rs in by_step.values()) if by_step else None
+    throughput = global_samples / mean_step_s if mean_step_s else None
+
+    breakdown = {p: statistics.fmean(r[p] for r in steady) for p in PHASES} if steady else {}
+    step_mean = statistics.fmean(r["step_s"] for r in steady) if steady else 0.0
+    fractions = {p: v / step_mean for p, v in breakdown.items()} if step_mean else {}
+    comm = _comm_stats(steady)
+
+    baseline = find_single_baseline(store, run)
+    speedup = efficiency = None
+    if baseline is not None and throughput:
+        base_throughput = summarize(store, baseline).throughput_samples_per_s
+        if base_throughput:
+            speedup = throughput / base_throughput
+            efficiency = speedup / run.world_size
+
+    memory: dict[int, dict[str, int]] = {}
+    for m in store.memory(run.id):
+        memory.setdefault(m["rank"], {})[m["category"]] = m["bytes"]
+
+    evals = store.evals(run.id)
+    final_eval = dict(evals[-1]) if evals else None
+    if final_eval:
+        final_eval.pop("run_id", None)
+    last_losses = [r["loss"] for r in rows if steps and r["step"] == steps[-1]]
+
+    return Summary(
+        run=_run_info(run), steps_recorded=len(steps), ranks_recorded=len({r["rank"] for r in rows}),
+        warmup_steps_excluded=warmup, mean_step_s=mean_step_s, throughput_samples_per_s=throughput,
+        baseline_run_id=baseline.id if baseline else None, speedup_vs_single=speedup,
+        scaling_efficiency=efficiency, breakdown_mean_s=breakdown, breakdown_fraction=fractions, comm=comm,
+        memory_bytes_by_rank=memory, final_eval=final_eval,
+        final_loss=statistics.fmean(last_losses) if last_losses else None, notes=_notes(run),
+    )
+
+
+def find_single_baseline(store: Store, run: Run) -> Run | None:
+    """The newest finished `single` run of the same workload spec, the speedup's denominator."""
+    if run.strategy == "single":
+        return None
+    for candidate in store.find_runs(workload=run.workload, strategy="single"):
+        if candidate.config.get("workload") == run.config.get("workload"):
+            return candidate
+    return None
+
+
+def _comm_stats(steady: list[Any]) -> dict[str, float]:
+    if not steady:
+        return {}
+    total = statistics.fmean(r["comm_s"] for r in steady)
+    exposed = statistics.fmean(r["comm_wait_s"] for r in steady)
+    hidden = max(0.0, total - exposed)
+    return {
+        "bytes_sent_per_step": statistics.fmean(r["bytes_sent"] for r in steady),
+        "comm_s": total,
+        "exposed_s": exposed,
+        "hidden_s": hidden,
+        "overlap_fraction": hidden / total if total > 0 else 0.0,
+    }
+
+
+def _run_info(run: Run) -> dict[str, Any]:
+    return {
+        "id": run.id, "uuid": run.uuid, "name": run.name, "workload": run.workload, "strategy": run.strategy,
+        "world_size": run.world_size, "status": run.shown_status, "error": run.error, "seed": run.seed,
+        "code_version": run.code_version, "host": run.host,
+        "duration_s": (run.finished_at - run.started_at) if run.finished_at and run.started_at else None,
+        "per_rank_batch": _per_rank_batch(run.config),
+    }
+
+
+def _per_rank_batch(config: dict[str, Any]) -> int | None:
+    try:
+        batch, world = config["workload"]["batch_size"], config["cluster"]["world_size"]
+    except KeyError:
+        return None
+    return batch if config["strategy"]["name"] == "single" else batch // world
+
+
+def _notes(run: Run) -> list[str]:
+    notes = []
+    cores = run.environment.get("cores")
+    if cores and run.world_size > cores and run.config.get("cluster", {}).get("nnodes", 1) == 1:
+        notes.append(f"{run.world_size} ranks shared {cores} cores: wall times include oversubscription; "
+                     "speedups here show relative costs, not what separate devices would give")
+    if run.shown_status != "finished":
+        notes.append(f"run is {run.shown_status}: figures cover only the rows that were recorded")
+    return notes

@@ -1,0 +1,343 @@
+"""The `ddlscope` command line."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ddlscope.specs import ConfigError
+from ddlscope.store import STEP_COLUMNS, Store, StoreError
+
+app = typer.Typer(
+    help="ddlscope: run, measure, explain and predict distributed deep-learning training strategies.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = Annotated[Path, typer.Option("--db", help="SQLite store holding runs and their rows.")]
+DEFAULT_DB = Path("ddlscope.db")
+
+
+class UserError(Exception):
+    """Bad input from the user: one line on stderr, exit status 2."""
+
+
+def _open_store(db: Path, must_exist: bool = True) -> Store:
+    if must_exist and not db.exists():
+        raise UserError(f"no store at {db} (run `ddlscope run` first, or pass --db)")
+    return Store(db)
+
+
+# ---------------------------------------------------------------------------- run
+@app.command()
+def run(
+    config: Annotated[Optional[Path], typer.Argument(help="TOML experiment file; flags override it.")] = None,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (see `ddlscope workloads`).")] = None,
+    strategy: Annotated[Optional[str], typer.Option("--strategy", "-s", help="Strategy name (see `ddlscope strategies`).")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size", "-n", help="Total ranks over all nodes.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Global batch size (summed over ranks).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for model init and data order.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Label for the run.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value (repeatable).")] = None,
+    nnodes: Annotated[Optional[int], typer.Option(help="Nodes taking part (multi-node runs).")] = None,
+    node_rank: Annotated[Optional[int], typer.Option(help="This node's rank; node 0 owns the store.")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="host:port of node 0's rendezvous.")] = None,
+    procs_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (world size = nnodes x this).")] = None,
+    db: DbOption = DEFAULT_DB,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Run one experiment: start the ranks, train, record every rank and step, print a summary."""
+    from ddlscope.runtime.config import load_experiment, parse_override
+    from ddlscope.runtime.launcher import launch
+
+    overrides: dict[str, Any] = {}
+    for key, value in (("workload.name", workload), ("strategy.name", strategy), ("workload.steps", steps),
+                       ("workload.batch_size", batch_size), ("seed", seed), ("name", name),
+                       ("cluster.nnodes", nnodes), ("cluster.node_rank", node_rank),
+                       ("cluster.rdzv_endpoint", rdzv_endpoint), ("cluster.world_size", world_size)):
+        if value is not None:
+            overrides[key] = value
+    if procs_per_node is not None:
+        if procs_per_node < 1:
+            raise UserError(f"--procs-per-node = {procs_per_node}: must be >= 1")
+        total = procs_per_node * (nnodes or 1)
+        if world_size is not None and world_size != total:
+            raise UserError(f"--world-size = {world_size} disagrees with --nnodes x --procs-per-node = {total}")
+        overrides["cluster.world_size"] = total
+    for item in set_ or []:
+        key, value = parse_override(item)
+        overrides[key] = value
+    exp = load_experiment(config, overrides)
+    if db.parent and not db.resolve().parent.exists():
+        raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
+
+    show_progress = not quiet and not as_json and console.is_terminal
+    with _progress(exp.workload.steps, enabled=show_progress) as on_progress:
+        result = launch(exp, db, on_progress=on_progress)
+
+    if result.run_id is None:
+        console.print(f"node {exp.cluster.node_rank}: {result.status}; this node's ranks sent their rows to node 0's store")
+        raise typer.Exit(0 if result.status == "finished" else 1)
+    with Store(db) as store:
+        from ddlscope.analysis.summary import summarize
+
+        summary = summarize(store, store.get_run(result.run_id))
+    if as_json:
+        print(json.dumps(summary.to_dict(), default=str))
+    else:
+        _print_summary(summary)
+    if result.status != "finished":
+        err_console.print(f"run {result.run_id} {result.status}: {result.error}  (worker logs: {result.run_dir / 'logs'})")
+        raise typer.Exit(1)
+
+
+class _progress:
+    """A rich progress bar fed by the launcher's row follower; nothing when disabled."""
+
+    def __init__(self, total_steps: int, enabled: bool):
+        self.total, self.enabled = total_steps, enabled
+        self.bar: Progress | None = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return None
+        self.bar = Progress(
+            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), console=console, transient=True)
+        self.bar.start()
+        task = self.bar.add_task("steps", total=self.total, rate="", loss="-", metric="")
+
+        def update(row: dict[str, Any]) -> None:
+            assert self.bar is not None
+            if row["kind"] == "eval":
+                self.bar.update(task, metric=f"{row['metric_name']} {row['metric']:.4g}")
+                return
+            rate = f"{row['samples'] / row['step_s']:.0f} samples/s/rank" if row["step_s"] > 0 else ""
+            self.bar.update(task, completed=row["step"] + 1, loss=f"{row['loss']:.4f}", rate=rate)
+
+        return update
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar:
+            self.bar.stop()
+
+
+# ---------------------------------------------------------------------------- runs / show / export
+@app.command()
+def runs(db: DbOption = DEFAULT_DB,
+         limit: Annotated[int, typer.Option(help="Show the newest N runs.")] = 50) -> None:
+    """List the runs in the store, newest first."""
+    with _open_store(db) as store:
+        table = Table("id", "name", "workload", "strategy", "ranks", "status", "steps", "created", "duration")
+        for r in store.list_runs(limit):
+            steps = store.count_steps(r.id) // max(r.world_size, 1)
+            duration = f"{r.finished_at - r.started_at:.1f}s" if r.finished_at and r.started_at else ""
+            table.add_row(str(r.id), r.name, r.workload, r.strategy, str(r.world_size), r.shown_status,
+                          str(steps), _when(r.created_at), duration)
+        console.print(table)
+
+
+@app.command()
+def show(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
+         db: DbOption = DEFAULT_DB,
+         as_json: Annotated[bool, typer.Option("--json", help="The summary as one JSON object.")] = False) -> None:
+    """Summary of one run: throughput, speedup vs single, breakdown, memory, final metric."""
+    from ddlscope.analysis.summary import summarize
+
+    with _open_store(db) as store:
+        summary = summarize(store, store.get_run(run_ref))
+    if as_json:
+        print(json.dumps(summary.to_dict(), default=str))
+    else:
+        _print_summary(summary)
+
+
+@app.command()
+def export(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
+           fmt: Annotated[str, typer.Option("--format", "-f", help="csv (one table) or json (everything).")] = "csv",
+           table: Annotated[str, typer.Option(help="For csv: steps, evals, memory or events.")] = "steps",
+           output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
+           db: DbOption = DEFAULT_DB) -> None:
+    """Export a run's rows as CSV or JSON."""
+    if fmt not in ("csv", "json"):
+        raise UserError(f"--format = {fmt!r}: allowed: csv, json")
+    tables = ("steps", "evals", "memory", "events")
+    if table not in tables:
+        raise UserError(f"--table = {table!r}: allowed: {', '.join(tables)}")
+    with _open_store(db) as store:
+        run_ = store.get_run(run_ref)
+        data = {t: [dict(r) for r in getattr(store, t)(run_.id)] for t in tables}
+    if fmt == "json":
+        from dataclasses import asdict
+
+        text = json.dumps({"run": asdict(run_), **data}, default=str, indent=1)
+    else:
+        buf = io.StringIO()
+        rows = data[table]
+        columns = list(rows[0]) if rows else (["run_id", "rank", "step", *STEP_COLUMNS] if table == "steps" else [])
+        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        text = buf.getvalue()
+    if output:
+        output.write_text(text)
+        err_console.print(f"wrote {output}")
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+# ---------------------------------------------------------------------------- catalogues
+@app.command()
+def strategies() -> None:
+    """List the registered strategies and their knobs."""
+    from ddlscope.strategies import STRATEGIES
+
+    _print_catalogue("strategy", STRATEGIES.items(), base_fields={"name"})
+
+
+@app.command()
+def workloads() -> None:
+    """List the registered workloads and their knobs."""
+    from ddlscope.specs import WorkloadSpec
+    from ddlscope.workloads import WORKLOADS
+
+    _print_catalogue("workload", WORKLOADS.items(), base_fields=set(WorkloadSpec.model_fields))
+
+
+def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[str]) -> None:
+    table = Table(kind, "description", "knobs (default)")
+    for name, plugin in items:
+        knobs = ", ".join(f"{k}={f.default!r}" for k, f in plugin.spec_class.model_fields.items()
+                          if k not in base_fields)
+        table.add_row(name, plugin.description, knobs or "-")
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------- slurm
+@app.command()
+def slurm(
+    config: Annotated[Path, typer.Argument(help="TOML experiment file.")],
+    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")],
+    procs_per_node: Annotated[int, typer.Option(help="Ranks per node (usually GPUs per node).")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Script path (default: stdout).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value.")] = None,
+    job_name: Annotated[str, typer.Option(help="Slurm job name.")] = "ddlscope",
+    time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "01:00:00",
+    port: Annotated[int, typer.Option(help="Rendezvous port on the first node.")] = 29500,
+    db: DbOption = DEFAULT_DB,
+) -> None:
+    """Write an sbatch script that runs CONFIG on NODES x PROCS_PER_NODE ranks with srun."""
+    from ddlscope.runtime.config import load_experiment, parse_override
+    from ddlscope.runtime.slurm import sbatch_script
+
+    if nodes < 1 or procs_per_node < 1:
+        raise UserError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
+    overrides = dict(parse_override(item) for item in set_ or [])
+    overrides.update({"cluster.nnodes": nodes, "cluster.world_size": nodes * procs_per_node,
+                      "cluster.rdzv_endpoint": f"127.0.0.1:{port}"})  # placeholder host: the script sets the real one
+    load_experiment(config, overrides)  # refuse a bad config now, not on the cluster
+    script = sbatch_script(config, nodes, procs_per_node, set_ or [], job_name, time_limit, port, db)
+    if output:
+        output.write_text(script)
+        err_console.print(f"wrote {output}; submit with: sbatch {output}")
+    else:
+        sys.stdout.write(script)
+
+
+# ---------------------------------------------------------------------------- output helpers
+def _when(ts: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _print_summary(s: Any) -> None:
+    r = s.run
+    console.print(f"[bold]run {r['id']}[/bold] {r['name']}  {r['workload']} / {r['strategy']} x {r['world_size']} ranks"
+                  f"  status [bold]{r['status']}[/bold]  ({r['code_version']}, seed {r['seed']})")
+    if r["error"]:
+        console.print(f"  error: {r['error']}")
+    head = Table(show_header=False, box=None, pad_edge=False)
+    head.add_row("steps recorded", f"{s.steps_recorded} x {s.ranks_recorded} ranks "
+                 f"(first {s.warmup_steps_excluded} excluded from timing)")
+    if s.mean_step_s:
+        head.add_row("step time", f"{s.mean_step_s * 1e3:.2f} ms (slowest rank, mean)")
+        head.add_row("throughput", f"{s.throughput_samples_per_s:.1f} samples/s")
+    if s.speedup_vs_single is not None:
+        head.add_row("speedup vs single", f"{s.speedup_vs_single:.2f}x (run {s.baseline_run_id}); "
+                     f"scaling efficiency {s.scaling_efficiency:.0%}")
+    elif r["strategy"] != "single":
+        head.add_row("speedup vs single", "no matching finished `single` run in the store")
+    if s.comm:
+        head.add_row("communication", f"{_fmt_bytes(s.comm['bytes_sent_per_step'])}/step/rank, "
+                     f"{s.comm['comm_s'] * 1e3:.2f} ms in flight, {s.comm['exposed_s'] * 1e3:.2f} ms exposed, "
+                     f"overlap {s.comm['overlap_fraction']:.0%}")
+    if s.final_eval:
+        e = s.final_eval
+        head.add_row("final eval", f"{e['metric_name']} {e['metric']:.4f}, loss {e['loss']:.4f} "
+                     f"after {e['samples_seen']} samples, {e['wall_s']:.1f}s of training")
+    console.print(head)
+    if s.breakdown_mean_s:
+        bt = Table("phase (mean per rank-step)", "ms", "share", title="time breakdown")
+        for phase, secs in s.breakdown_mean_s.items():
+            bt.add_row(phase.removesuffix("_s"), f"{secs * 1e3:.3f}", f"{s.breakdown_fraction.get(phase, 0):.1%}")
+        console.print(bt)
+    if s.memory_bytes_by_rank:
+        categories = sorted({c for m in s.memory_bytes_by_rank.values() for c in m},
+                            key=lambda c: ("parameters", "gradients", "optimizer", "activations").index(c)
+                            if c in ("parameters", "gradients", "optimizer", "activations") else 9)
+        mt = Table("rank", *categories, title="memory by category")
+        for rank, cats in sorted(s.memory_bytes_by_rank.items()):
+            mt.add_row(str(rank), *(_fmt_bytes(cats[c]) if c in cats else "-" for c in categories))
+        console.print(mt)
+    for note in s.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+# ---------------------------------------------------------------------------- entry point
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry: user errors become one line on stderr and exit status 2."""
+    from typer.exceptions import TyperException
+
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name="ddlscope")
+    except (ConfigError, StoreError, UserError) as exc:
+        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except TyperException as exc:  # usage errors: bad option, wrong type, missing argument
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        err_console.print(f"error: {' '.join(message.split())}", markup=False, highlight=False, soft_wrap=True)
+        return getattr(exc, "exit_code", 2) or 2
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        err_console.print("aborted")
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Runtime: config loading, launcher, worker entry, training loop, instrumentation."""

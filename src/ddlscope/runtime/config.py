@@ -1,0 +1,111 @@
+"""Experiments from TOML files and command-line overrides, validated before anything starts.
+
+Plugin knobs live in each plugin's own spec class, so this is the one place
+that resolves `workload.name` / `strategy.name` through the registries.
+Everything that goes wrong here is a ConfigError with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from ddlscope.registry import Registry, UnknownPluginError
+from ddlscope.specs import ClusterSpec, ConfigError, Experiment, check_consistency, describe_validation_error
+from ddlscope.strategies import STRATEGIES
+from ddlscope.workloads import WORKLOADS
+
+DEFAULT_WORKLOAD = "mlp-digits"
+DEFAULT_STRATEGY = "ddp"
+SECTIONS = ("name", "seed", "workload", "strategy", "cluster")
+
+
+def load_experiment(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Experiment:
+    """Read a TOML file (optional), apply dotted overrides, validate everything."""
+    raw = read_toml(path) if path is not None else {}
+    for dotted, value in (overrides or {}).items():
+        set_dotted(raw, dotted, value)
+    return experiment_from_dict(raw)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`strategy.bucket_mb=5` -> ("strategy.bucket_mb", 5). Values are TOML literals, else strings."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. strategy.bucket_mb=5")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return key.strip(), value
+
+
+def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if parts[0] not in SECTIONS:
+        raise ConfigError(f"{dotted} = {value!r}: unknown section {parts[0]!r}; allowed: {', '.join(SECTIONS)}")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted} = {value!r}: {part} is not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def experiment_from_dict(raw: dict[str, Any]) -> Experiment:
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]} = {raw[unknown[0]]!r}: unknown field; allowed: {', '.join(SECTIONS)}")
+    workload = _plugin_spec(WORKLOADS, "workload", raw.get("workload", {}), DEFAULT_WORKLOAD)
+    strategy = _plugin_spec(STRATEGIES, "strategy", raw.get("strategy", {}), DEFAULT_STRATEGY)
+    cluster = _validate(ClusterSpec, raw.get("cluster", {}), "cluster")
+    top = {k: raw[k] for k in ("name", "seed") if k in raw}
+    try:
+        exp = Experiment(workload=workload, strategy=strategy, cluster=cluster, **top)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err)) from None
+    check_consistency(exp)
+    return exp
+
+
+def experiment_from_json(text: str) -> Experiment:
+    return experiment_from_dict(json.loads(text))
+
+
+def experiment_to_dict(exp: Experiment) -> dict[str, Any]:
+    return exp.model_dump(mode="json")
+
+
+def _plugin_spec(registry: Registry[Any], section: str, raw: Any, default: str) -> BaseModel:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section} = {raw!r}: must be a table")
+    raw = {"name": default, **raw}
+    try:
+        plugin = registry.get(str(raw["name"]))
+    except UnknownPluginError as err:
+        raise ConfigError(f"{section}.name = {err.name!r}: unknown {section}; allowed: {', '.join(err.known)}") from None
+    return _validate(plugin.spec_class, raw, section)
+
+
+def _validate(model: type[BaseModel], raw: Any, section: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section} = {raw!r}: must be a table")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err, prefix=section)) from None

@@ -1,0 +1,100 @@
+"""Cheap measurements around the training loop: clocks and memory by category.
+
+Memory is counted from the tensors themselves: parameters, gradients and
+optimizer state (local shards only, so sharded strategies count what this
+rank holds), activations as the tensors autograd saves for backward during one
+measured step (through saved-tensor hooks, which cost too much to leave on
+every step), and the process peak RSS (or CUDA allocator peaks) as a
+cross-check.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+def device_sync(device: torch.device) -> None:
+    """Make host clocks meaningful: wait for queued device work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The part of a (possibly sharded) tensor that lives on this rank."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def unique_storage_bytes(tensors: Iterable[Tensor], exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and shared buffers count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = local_tensor(t)
+        if t.device.type == "meta" or not t.untyped_storage().nbytes():
+            continue
+        ptr, nbytes = _storage_key(t)
+        if ptr not in exclude:
+            seen[ptr] = max(seen.get(ptr, 0), nbytes)
+    return sum(seen.values())
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    return unique_storage_bytes(model.parameters())
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    return unique_storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return unique_storage_bytes(
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor) and v.dim() > 0
+    )
+
+
+class ActivationMeter:
+    """Bytes autograd keeps for backward, counted by saved-tensor hooks.
+
+    Parameters that autograd saves (a Linear saves its weight) are excluded:
+    they are model state, not activations.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._param_ptrs = {_storage_key(local_tensor(p.detach()))[0] for p in model.parameters()}
+        self._saved: dict[int, int] = {}
+        self.bytes = 0
+
+    def _pack(self, t: Tensor) -> Tensor:
+        if t.device.type != "meta":
+            ptr, nbytes = _storage_key(t)
+            if ptr not in self._param_ptrs:
+                self._saved[ptr] = max(self._saved.get(ptr, 0), nbytes)
+        return t
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        self._saved = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+        self.bytes = sum(self._saved.values())
+
+
+def peak_process_bytes(device: torch.device) -> dict[str, int]:
+    """Peak RSS of this process, plus the CUDA allocator's peaks on a GPU."""
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peaks = {"peak_rss": rss_kib * (1 if sys.platform == "darwin" else 1024)}
+    if device.type == "cuda":
+        peaks["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(device)
+        peaks["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(device)
+    return peaks

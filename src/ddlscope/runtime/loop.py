@@ -1,0 +1,136 @@
+"""The instrumented training loop, the same for every strategy.
+
+Per step and rank it records wall time split into data, forward, backward
+(compute, with overlapped communication hidden inside it), exposed
+communication wait and optimizer; the parts add up to the step's wall time.
+It also records samples, loss, bytes sent and the thread CPU time of the
+compute phases (what oversubscribed ranks really got to compute).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddlscope.runtime.data import GlobalBatchSampler
+from ddlscope.runtime.instrument import (
+    ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
+from ddlscope.runtime.rows import RowWriter
+from ddlscope.specs import WorkloadSpec
+from ddlscope.strategies.base import RunContext, Strategy
+from ddlscope.workloads.base import Task
+
+clock = time.perf_counter
+
+
+@dataclass
+class LoopResult:
+    steps: int
+    train_s: float
+    final_loss: float
+
+
+def make_optimizer(model: nn.Module, spec: WorkloadSpec) -> torch.optim.Optimizer:
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+
+
+def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
+          on_step: Callable[[int], None] | None = None) -> LoopResult:
+    exp = ctx.experiment
+    spec = exp.workload
+    device = ctx.device
+    model = strategy.wrap(task.model.to(device))
+    optimizer = make_optimizer(model, spec)
+    sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
+    per_rank = exp.per_rank_batch()
+    data_rank = ctx.rank if exp.strategy.splits_global_batch else 0
+    slowdown = exp.cluster.slowdown_of(ctx.rank)
+    memory_step = min(1, spec.steps - 1)  # step 0 pays one-off costs (buckets, lazy init)
+    meter = ActivationMeter(model)
+    memory: dict[str, int] = {"parameters": parameter_bytes(model)}
+    eval_s = 0.0
+    backward_compute_s = 0.0
+    loss_value = float("nan")
+
+    writer.event("train_start", f"per_rank_batch={per_rank}")
+    device_sync(device)
+    start = clock()
+    for step in range(spec.steps):
+        measuring = step == memory_step
+        t0 = clock()
+        x, y = (t.to(device, non_blocking=True) for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
+        device_sync(device)
+        t1 = clock()
+        cpu0 = time.thread_time()
+        with meter.measure() if measuring else nullcontext():
+            loss = task.loss_fn(model(x), y)
+            device_sync(device)
+            t2 = clock()
+            if slowdown > 1:
+                # A straggler computes slower: stretch its forward and (estimated) backward time.
+                time.sleep((slowdown - 1) * ((t2 - t1) + (backward_compute_s or 2 * (t2 - t1))))
+                t2 = clock()
+            loss.backward()
+            device_sync(device)
+        t3 = clock()
+        cpu1 = time.thread_time()
+        if measuring:
+            memory["activations"] = meter.bytes
+            memory["gradients"] = gradient_bytes(model)
+        strategy.synchronize(model)
+        device_sync(device)
+        t4 = clock()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        device_sync(device)
+        t5 = clock()
+        if measuring:
+            memory["optimizer"] = optimizer_state_bytes(optimizer)
+
+        comm = strategy.comm_stats(backward_end_s=t3)
+        backward_compute_s = (t3 - t2) - comm.exposed_in_backward_s
+        writer.write(
+            "step", step=step, t_s=t0 - start, data_s=t1 - t0, forward_s=t2 - t1,
+            backward_s=backward_compute_s, comm_wait_s=comm.exposed_in_backward_s + (t4 - t3),
+            optimizer_s=t5 - t4, step_s=t5 - t0, comm_s=comm.total_s, compute_cpu_s=cpu1 - cpu0,
+            samples=len(x), loss=loss_value, bytes_sent=comm.bytes_sent,
+        )
+        if on_step:
+            on_step(step)
+        if _eval_due(step, spec):
+            eval_s += _evaluate(task, model, ctx, writer, step, clock() - start - eval_s)
+
+    train_s = clock() - start - eval_s
+    memory.update(peak_process_bytes(device))
+    writer.write("memory", bytes=memory)
+    writer.event("train_end", f"train_s={train_s:.3f}")
+    return LoopResult(spec.steps, train_s, loss_value)
+
+
+def _eval_due(step: int, spec: WorkloadSpec) -> bool:
+    last = step == spec.steps - 1
+    return last or (spec.eval_every > 0 and (step + 1) % spec.eval_every == 0)
+
+
+def _evaluate(task: Task, model: nn.Module, ctx: RunContext, writer: RowWriter, step: int, wall_s: float) -> float:
+    """Rank 0 evaluates; the others wait at a barrier so eval time stays out of step times."""
+    began = clock()
+    if ctx.rank == 0:
+        module = getattr(model, "module", model)  # DDP wraps the model
+        result = task.evaluate(module, ctx.device, ctx.experiment.workload.eval_batches)
+        writer.write("eval", step=step, wall_s=wall_s,
+                     samples_seen=(step + 1) * ctx.experiment.workload.batch_size,
+                     metric_name=result.metric_name, metric=result.metric, loss=result.loss)
+    if ctx.world_size > 1:
+        dist.barrier()
+    return clock() - began
+

@@ -1,0 +1,63 @@
+"""Per-rank row files: the workers' side of the store.
+
+Each rank appends one JSON object per line to its own file, line-buffered, so
+every row reaches the kernel as soon as it is written and survives the
+process dying. The launcher ingests the files into SQLite keyed by
+(run, rank, step), so reading a file twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class RowWriter:
+    def __init__(self, path: Path, rank: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.rank = rank
+        self._file = open(path, "a", buffering=1, encoding="utf-8")
+        self._event_seq = 0
+
+    def write(self, kind: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"kind": kind, "rank": self.rank, **fields}, separators=(",", ":")) + "\n")
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Copy a record as it is (rows another rank produced)."""
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def event(self, event: str, message: str = "") -> None:
+        self.write("event", seq=self._event_seq, t=time.time(), event=event, message=message)
+        self._event_seq += 1
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def rank_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"rank-{rank}.jsonl"
+
+
+def remote_rank_file(run_dir: Path, rank: int) -> Path:
+    """Where rank 0 writes the rows a rank on another node sent it."""
+    return run_dir / f"remote-rank-{rank}.jsonl"
+
+
+def read_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of one file; a line cut short by a dying process is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def run_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("*rank-*.jsonl"))

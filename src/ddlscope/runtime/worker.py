@@ -1,0 +1,97 @@
+"""Entry point of every worker process started by the elastic launcher."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddlscope.runtime.config import experiment_from_json
+from ddlscope.runtime.loop import train
+from ddlscope.runtime.rows import RowWriter, rank_file, read_records, remote_rank_file
+from ddlscope.specs import ClusterSpec
+from ddlscope.strategies import STRATEGIES
+from ddlscope.strategies.base import RunContext
+from ddlscope.workloads import WORKLOADS
+
+
+def choose_device(cluster: ClusterSpec, local_rank: int) -> torch.device:
+    want_cuda = cluster.device == "cuda" or (cluster.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("cluster.device = 'cuda' but CUDA is not available on this node")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def choose_backend(cluster: ClusterSpec, device: torch.device) -> str:
+    if cluster.backend != "auto":
+        return cluster.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
+    exp = experiment_from_json(experiment_json)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, node_rank = int(os.environ["LOCAL_RANK"]), int(os.environ.get("GROUP_RANK", "0"))
+    torch.set_num_threads(exp.cluster.threads_per_rank)
+    writer = RowWriter(rank_file(Path(run_dir), rank), rank)
+    try:
+        delay_s = exp.cluster.start_delay_of(rank)
+        if delay_s:
+            writer.event("start_delay", f"{delay_s}s")
+            time.sleep(delay_s)
+        device = choose_device(exp.cluster, local_rank)
+        backend = choose_backend(exp.cluster, device)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        _check_same_experiment(experiment_json)
+        ctx = RunContext(rank, world, local_rank, node_rank, device, backend, exp)
+        writer.event("started", f"host={os.uname().nodename} pid={os.getpid()} device={device} backend={backend}")
+        task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+        strategy = STRATEGIES.get(exp.strategy.name)(exp.strategy, ctx)
+        result = train(task, strategy, ctx, writer)
+        writer.close()
+        if exp.cluster.nnodes > 1:
+            _send_rows_to_rank0(Path(run_dir), rank, node_rank)
+        dist.barrier()
+        return {"rank": rank, "train_s": result.train_s, "final_loss": result.final_loss}
+    except BaseException as exc:
+        writer.event("error", f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        writer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _check_same_experiment(experiment_json: str) -> None:
+    """Every launcher of a multi-node run must have been given the same experiment."""
+    digest = hashlib.sha256(experiment_json.encode()).hexdigest()[:16]
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"launchers were given different experiments (config digests {sorted(set(digests))})")
+
+
+def _send_rows_to_rank0(run_dir: Path, rank: int, node_rank: int) -> None:
+    """Rows of ranks on other nodes travel to rank 0 over torch.distributed.
+
+    Node 0's launcher owns the store; a rank elsewhere keeps its own file on its
+    node and sends a copy, which rank 0 writes beside its own for ingestion.
+    """
+    mine = list(read_records(rank_file(run_dir, rank))) if node_rank != 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0 and gathered:
+        for src_rank, records in enumerate(gathered):
+            if records:
+                writer = RowWriter(remote_rank_file(run_dir, src_rank), src_rank)
+                for record in records:
+                    writer.write_record(record)
+                writer.close()

@@ -1,0 +1,160 @@
+"""Experiment specs: what to train, how to distribute it, and on what cluster.
+
+Pydantic v2 models, one per concern. Workload and strategy plugins subclass
+`WorkloadSpec` / `StrategySpec` with their own knobs (extra fields forbidden),
+so an unknown knob is an error rather than silently ignored. Resolving a
+plugin name to its spec class happens in `ddlscope.runtime.config`, which
+knows the registries; this module knows none of them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user's configuration is invalid. Its message is one line for the terminal."""
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class WorkloadSpec(Spec):
+    """Fields shared by every workload; subclasses add model/data knobs."""
+
+    name: str = Field(description="registered workload name")
+    batch_size: int = Field(64, ge=1, description="global batch: samples per step, summed over ranks")
+    steps: int = Field(100, ge=1, description="optimizer steps to train")
+    eval_every: int = Field(0, ge=0, description="evaluate every N steps (0: only after the last step)")
+    eval_batches: int = Field(0, ge=0, description="test batches per evaluation (0: the whole test split)")
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0, description="learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class StrategySpec(Spec):
+    """Fields shared by every strategy; subclasses add their knobs."""
+
+    # How the strategy uses the cluster; checked before any process starts.
+    splits_global_batch: ClassVar[bool] = True  # each rank takes batch_size / world_size samples
+    single_process: ClassVar[bool] = False  # only world_size 1 makes sense
+
+    name: str = Field(description="registered strategy name")
+
+
+class NetworkSpec(Spec):
+    # Named emulated profiles (fast/slow clusters, custom alpha/bandwidth) come
+    # with network emulation; until then only the real local network exists.
+    profile: Literal["local"] = Field("local", description="network profile; 'local' means no emulation")
+
+
+_ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+class ClusterSpec(Spec):
+    world_size: int = Field(2, ge=1, description="total ranks over all nodes")
+    nnodes: int = Field(1, ge=1, description="nodes (launchers) taking part in the rendezvous")
+    node_rank: int = Field(0, ge=0, description="this launcher's node rank (0 hosts the rendezvous and the store)")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (default: 127.0.0.1 and a free port)")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl when CUDA is present, else gloo")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_rank: int = Field(1, ge=1, description="intra-op threads per rank (1 avoids oversubscription)")
+    slowdown: list[float] = Field(default_factory=list, description="per-rank compute slowdown factors (>= 1), e.g. [1, 2]")
+    start_delay_s: list[float] = Field(default_factory=list, description="per-rank start delays in seconds")
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ClusterSpec":
+        if self.world_size % self.nnodes:
+            raise ValueError(f"world_size {self.world_size} is not a multiple of nnodes {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("a run over several nodes needs rdzv_endpoint (host:port of node 0)")
+        if self.rdzv_endpoint and not _ENDPOINT.match(self.rdzv_endpoint):
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} is not host:port")
+        for field in ("slowdown", "start_delay_s"):
+            values = getattr(self, field)
+            if values and len(values) != self.world_size:
+                raise ValueError(f"{field} has {len(values)} entries; give one per rank ({self.world_size}) or none")
+        if any(f < 1 for f in self.slowdown):
+            raise ValueError(f"slowdown factors must be >= 1, got {self.slowdown}")
+        if any(d < 0 for d in self.start_delay_s):
+            raise ValueError(f"start delays must be >= 0, got {self.start_delay_s}")
+        return self
+
+    def slowdown_of(self, rank: int) -> float:
+        return self.slowdown[rank] if self.slowdown else 1.0
+
+    def start_delay_of(self, rank: int) -> float:
+        return self.start_delay_s[rank] if self.start_delay_s else 0.0
+
+
+class Experiment(Spec):
+    name: str = Field("", description="free-form label shown in `ddlscope runs`")
+    seed: int = Field(0, ge=0, description="seeds model init, data order and sampling")
+    workload: SerializeAsAny[WorkloadSpec]
+    strategy: SerializeAsAny[StrategySpec]
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+
+    def per_rank_batch(self) -> int:
+        if self.strategy.splits_global_batch:
+            return self.workload.batch_size // self.cluster.world_size
+        return self.workload.batch_size
+
+
+def check_consistency(exp: Experiment) -> None:
+    """Cross-section checks that no single section can make on its own."""
+    ws = exp.cluster.world_size
+    if exp.strategy.single_process and ws != 1:
+        raise ConfigError(
+            f"cluster.world_size = {ws}: strategy {exp.strategy.name} runs one process; use world_size 1"
+        )
+    if exp.strategy.splits_global_batch and exp.workload.batch_size % ws:
+        raise ConfigError(
+            f"workload.batch_size = {exp.workload.batch_size}: must be divisible by cluster.world_size = {ws} "
+            f"for strategy {exp.strategy.name} (each rank takes batch_size / world_size samples)"
+        )
+
+
+def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """Turn pydantic's first error into one line: field, value, what is allowed."""
+    first = err.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
+    value = first.get("input")
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(sorted(_allowed_fields(err.title, first["loc"])))
+        return f"{loc} = {value!r}: unknown field; allowed: {allowed}"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "value_error" or not first["loc"]:
+        return f"{loc or prefix}: {msg}"
+    return f"{loc} = {value!r}: {msg}"
+
+
+_SPEC_CLASSES: dict[str, type[BaseModel]] = {}
+
+
+def remember_spec_class(cls: type[BaseModel]) -> None:
+    """Let error messages list the fields of a plugin's spec class."""
+    _SPEC_CLASSES[cls.__name__] = cls
+
+
+def _allowed_fields(title: str, loc: tuple[Any, ...]) -> list[str]:
+    model: Any = _SPEC_CLASSES.get(title) or globals().get(title)
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if model else None
+        model = getattr(field, "annotation", None) if field else None
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
+for _cls in (WorkloadSpec, StrategySpec, NetworkSpec, ClusterSpec, Experiment):
+    remember_spec_class(_cls)

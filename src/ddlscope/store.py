@@ -1,0 +1,285 @@
+"""The results store: SQLite (stdlib), WAL, a busy timeout.
+
+Workers never write here. Each rank appends rows to its own line-buffered
+JSONL file while it trains (see runtime/rows.py); the launcher ingests those
+files into this store keyed by (run, rank, step), so ingesting twice, or after
+a crash, neither loses nor duplicates rows. A run's status moves
+created -> running -> finished | failed | interrupted, and only the launcher,
+after the workers returned and the rows are in, marks it finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+SCHEMA_VERSION = 1
+
+STEP_COLUMNS = (
+    "t_s", "data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "step_s",
+    "comm_s", "compute_cpu_s", "samples", "loss", "bytes_sent",
+)
+EVAL_COLUMNS = ("wall_s", "samples_seen", "metric_name", "metric", "loss")
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    uuid TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL DEFAULT '',
+    workload TEXT NOT NULL,
+    strategy TEXT NOT NULL,
+    world_size INTEGER NOT NULL,
+    config_json TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('created', 'running', 'finished', 'failed', 'interrupted')),
+    error TEXT,
+    code_version TEXT NOT NULL,
+    host TEXT NOT NULL,
+    launcher_pid INTEGER,
+    seed INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    environment_json TEXT NOT NULL DEFAULT '{{}}'
+);
+CREATE TABLE IF NOT EXISTS steps (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    {", ".join(f"{c} {'INTEGER' if c in ('samples', 'bytes_sent') else 'REAL'}" for c in STEP_COLUMNS)},
+    PRIMARY KEY (run_id, rank, step)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS evals (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    wall_s REAL, samples_seen INTEGER, metric_name TEXT, metric REAL, loss REAL,
+    PRIMARY KEY (run_id, rank, step)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS memory (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    category TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    PRIMARY KEY (run_id, rank, category)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS events (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    t REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    PRIMARY KEY (run_id, rank, seq)
+) WITHOUT ROWID;
+"""
+
+
+@dataclass
+class Run:
+    id: int
+    uuid: str
+    name: str
+    workload: str
+    strategy: str
+    world_size: int
+    config: dict[str, Any]
+    status: str
+    error: str | None
+    code_version: str
+    host: str
+    launcher_pid: int | None
+    seed: int
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    environment: dict[str, Any]
+
+    @property
+    def shown_status(self) -> str:
+        """A 'running' run whose launcher on this host is gone died without saying so."""
+        if self.status == "running" and self.host == socket.gethostname() and self.launcher_pid:
+            if not _pid_alive(self.launcher_pid):
+                return "died"
+        return self.status
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or does not hold what was asked for."""
+
+
+class Store:
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise StoreError(f"store path {self.path} is a directory")
+        if self.path.parent and not self.path.parent.exists():
+            raise StoreError(f"store folder {self.path.parent} does not exist")
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            self.conn.row_factory = sqlite3.Row
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA busy_timeout=30000")
+            self.conn.execute("PRAGMA foreign_keys=ON")
+            with self.transaction():
+                for statement in _statements():
+                    self.conn.execute(statement)
+                self.conn.execute(
+                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot open store {self.path}: {exc}") from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic write: all of it lands, or none of it does."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # -- runs ---------------------------------------------------------------
+    def create_run(self, *, uuid: str, name: str, workload: str, strategy: str, world_size: int,
+                   config: dict[str, Any], code_version: str, seed: int,
+                   environment: dict[str, Any]) -> int:
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT INTO runs(uuid, name, workload, strategy, world_size, config_json, status, code_version,"
+                " host, launcher_pid, seed, created_at, environment_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'created', ?, ?, ?, ?, ?, ?)",
+                (uuid, name, workload, strategy, world_size, json.dumps(config, sort_keys=True), code_version,
+                 socket.gethostname(), os.getpid(), seed, time.time(), json.dumps(environment, sort_keys=True)),
+            )
+            return int(cur.lastrowid)
+
+    def mark_running(self, run_id: int) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE runs SET status='running', started_at=? WHERE id=?", (time.time(), run_id))
+
+    def mark_done(self, run_id: int, status: str, error: str | None = None) -> None:
+        if status not in ("finished", "failed", "interrupted"):
+            raise ValueError(f"not a final status: {status}")
+        with self.transaction() as c:
+            c.execute("UPDATE runs SET status=?, error=?, finished_at=? WHERE id=?",
+                      (status, error, time.time(), run_id))
+
+    def get_run(self, ref: str | int) -> Run:
+        """A run by numeric id, uuid (or a unique uuid prefix of 6+ characters), or name."""
+        ref = str(ref)
+        if ref.isdigit():
+            rows = self.conn.execute("SELECT * FROM runs WHERE id=?", (int(ref),)).fetchall()
+        else:
+            rows = self.conn.execute("SELECT * FROM runs WHERE uuid=? OR name=? ORDER BY id DESC", (ref, ref)).fetchall()
+            if not rows and len(ref) >= 6:
+                rows = self.conn.execute("SELECT * FROM runs WHERE uuid LIKE ?", (ref + "%",)).fetchall()
+        if not rows:
+            raise StoreError(f"no run {ref!r} in {self.path}")
+        return _run_from_row(rows[0])
+
+    def list_runs(self, limit: int = 50) -> list[Run]:
+        rows = self.conn.execute("SELECT * FROM runs ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        return [_run_from_row(r) for r in rows]
+
+    # -- rows ----------------------------------------------------------------
+    def ingest(self, run_id: int, records: Iterable[dict[str, Any]]) -> dict[str, int]:
+        """Insert worker records idempotently, in one transaction. Returns counts by kind."""
+        counts = {"step": 0, "eval": 0, "memory": 0, "event": 0}
+        with self.transaction() as c:
+            for rec in records:
+                kind = rec.get("kind")
+                if kind == "step":
+                    cols = ("rank", "step", *STEP_COLUMNS)
+                    c.execute(
+                        f"INSERT OR REPLACE INTO steps(run_id, {', '.join(cols)}) VALUES (?{', ?' * len(cols)})",
+                        (run_id, *(rec.get(k) for k in cols)),
+                    )
+                elif kind == "eval":
+                    cols = ("rank", "step", *EVAL_COLUMNS)
+                    c.execute(
+                        f"INSERT OR REPLACE INTO evals(run_id, {', '.join(cols)}) VALUES (?{', ?' * len(cols)})",
+                        (run_id, *(rec.get(k) for k in cols)),
+                    )
+                elif kind == "memory":
+                    c.executemany(
+                        "INSERT OR REPLACE INTO memory(run_id, rank, category, bytes) VALUES (?, ?, ?, ?)",
+                        [(run_id, rec["rank"], cat, int(b)) for cat, b in rec["bytes"].items()],
+                    )
+                elif kind == "event":
+                    c.execute(
+                        "INSERT OR REPLACE INTO events(run_id, rank, seq, t, kind, message) VALUES (?, ?, ?, ?, ?, ?)",
+                        (run_id, rec["rank"], rec["seq"], rec["t"], rec["event"], rec.get("message", "")),
+                    )
+                else:
+                    continue
+                counts[kind] += 1
+        return counts
+
+    def add_event(self, run_id: int, kind: str, message: str, rank: int = -1) -> None:
+        """An event from the launcher itself (rank -1)."""
+        with self.transaction() as c:
+            seq = c.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events WHERE run_id=? AND rank=?",
+                            (run_id, rank)).fetchone()[0]
+            c.execute("INSERT INTO events(run_id, rank, seq, t, kind, message) VALUES (?, ?, ?, ?, ?, ?)",
+                      (run_id, rank, seq, time.time(), kind, message))
+
+    def steps(self, run_id: int) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM steps WHERE run_id=? ORDER BY step, rank", (run_id,)).fetchall()
+
+    def evals(self, run_id: int) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM evals WHERE run_id=? ORDER BY step, rank", (run_id,)).fetchall()
+
+    def memory(self, run_id: int) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM memory WHERE run_id=? ORDER BY rank, category", (run_id,)).fetchall()
+
+    def events(self, run_id: int) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM events WHERE run_id=? ORDER BY t, rank, seq", (run_id,)).fetchall()
+
+    def count_steps(self, run_id: int) -> int:
+        return self.conn.execute("SELECT COUNT(*) FROM steps WHERE run_id=?", (run_id,)).fetchone()[0]
+
+    def find_runs(self, *, workload: str, strategy: str, status: str = "finished") -> list[Run]:
+        rows = self.conn.execute(
+            "SELECT * FROM runs WHERE workload=? AND strategy=? AND status=? ORDER BY id DESC",
+            (workload, strategy, status),
+        ).fetchall()
+        return [_run_from_row(r) for r in rows]
+
+
+def _statements() -> list[str]:
+    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
+
+
+def _run_from_row(row: sqlite3.Row) -> Run:
+    d = dict(row)
+    d["config"] = json.loads(d.pop("config_json"))
+    d["environment"] = json.loads(d.pop("environment_json"))
+    return Run(**d)

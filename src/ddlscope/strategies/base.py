@@ -1,0 +1,56 @@
+"""What every strategy provides, and the context it runs in.
+
+The runtime owns the training loop and its timers (runtime/loop.py); a
+strategy only says how the model is distributed (`wrap`), what explicit
+communication follows the backward pass (`synchronize`), and what it sent
+(`comm_stats`). That keeps timing and accounting in one place for all of them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ddlscope.specs import Experiment, StrategySpec
+from ddlscope.strategies.comm import CommRecorder, CommStats
+
+
+@dataclass
+class RunContext:
+    """Where this process sits in the run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    device: torch.device
+    backend: str
+    experiment: Experiment
+
+
+class Strategy(ABC):
+    spec_class: ClassVar[type[StrategySpec]]
+    description: ClassVar[str]
+
+    def __init__(self, spec: StrategySpec, ctx: RunContext):
+        self.spec = spec
+        self.ctx = ctx
+        self.comm = CommRecorder()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Return the module to train (e.g. wrapped in DDP). The model is already on the device."""
+        return model
+
+    def synchronize(self, model: nn.Module) -> None:
+        """Explicit communication after backward and before the optimizer step (none by default)."""
+
+    def comm_stats(self, backward_end_s: float) -> CommStats:
+        """Communication of the step just finished; resets the recorder for the next one."""
+        return self.comm.pop(backward_end_s)
+
+    def describe(self) -> dict[str, Any]:
+        return self.spec.model_dump()
