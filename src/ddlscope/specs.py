@@ -53,6 +53,14 @@ class NetworkSpec(Spec):
     profile: Literal["local"] = Field("local", description="network profile; 'local' means no emulation")
 
 
+class Fault(Spec):
+    """An injected failure, for testing what a run records when a rank dies."""
+
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0, description="the rank dies at the start of this step")
+    kind: Literal["crash"] = Field("crash", description="crash: the process exits at once, without cleanup")
+
+
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
@@ -67,6 +75,7 @@ class ClusterSpec(Spec):
     slowdown: list[float] = Field(default_factory=list, description="per-rank compute slowdown factors (>= 1), e.g. [1, 2]")
     start_delay_s: list[float] = Field(default_factory=list, description="per-rank start delays in seconds")
     network: NetworkSpec = Field(default_factory=NetworkSpec)
+    faults: list[Fault] = Field(default_factory=list, description="injected failures, e.g. [{rank = 1, step = 3}]")
 
     @property
     def procs_per_node(self) -> int:
@@ -88,6 +97,8 @@ class ClusterSpec(Spec):
                 raise ValueError(f"{field} has {len(values)} entries; give one per rank ({self.world_size}) or none")
         if any(f < 1 for f in self.slowdown):
             raise ValueError(f"slowdown factors must be >= 1, got {self.slowdown}")
+        if any(f.rank >= self.world_size for f in self.faults):
+            raise ValueError(f"a fault names a rank outside 0..{self.world_size - 1}")
         if any(d < 0 for d in self.start_delay_s):
             raise ValueError(f"start delays must be >= 0, got {self.start_delay_s}")
         return self
@@ -105,6 +116,7 @@ class Experiment(Spec):
     workload: SerializeAsAny[WorkloadSpec]
     strategy: SerializeAsAny[StrategySpec]
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    save_model_path: str | None = Field(None, description="rank 0 saves the final model's state_dict here (torch.save)")
 
     def per_rank_batch(self) -> int:
         if self.strategy.splits_global_batch:
@@ -156,5 +168,5 @@ def _allowed_fields(title: str, loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
 
 
-for _cls in (WorkloadSpec, StrategySpec, NetworkSpec, ClusterSpec, Experiment):
+for _cls in (WorkloadSpec, StrategySpec, NetworkSpec, Fault, ClusterSpec, Experiment):
     remember_spec_class(_cls)

@@ -9,6 +9,7 @@ compute phases (what oversubscribed ranks really got to compute).
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class LoopResult:
     steps: int
     train_s: float
     final_loss: float
+    model: nn.Module
 
 
 def make_optimizer(model: nn.Module, spec: WorkloadSpec) -> torch.optim.Optimizer:
@@ -63,7 +65,10 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     writer.event("train_start", f"per_rank_batch={per_rank}")
     device_sync(device)
     start = clock()
+    crash_steps = {f.step for f in exp.cluster.faults if f.rank == ctx.rank}
     for step in range(spec.steps):
+        if step in crash_steps:
+            _crash(writer, step)
         measuring = step == memory_step
         t0 = clock()
         x, y = (t.to(device, non_blocking=True) for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
@@ -113,7 +118,14 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     memory.update(peak_process_bytes(device))
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
-    return LoopResult(spec.steps, train_s, loss_value)
+    return LoopResult(spec.steps, train_s, loss_value, model)
+
+
+def _crash(writer: RowWriter, step: int) -> None:
+    """An injected fault: die at once, as a killed or preempted process would."""
+    writer.event("fault", f"injected crash at step {step}")
+    writer.close()
+    os._exit(17)
 
 
 def _eval_due(step: int, spec: WorkloadSpec) -> bool:

@@ -56,6 +56,9 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
         task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
         strategy = STRATEGIES.get(exp.strategy.name)(exp.strategy, ctx)
         result = train(task, strategy, ctx, writer)
+        full_state = strategy.full_state_dict(result.model) if exp.save_model_path else None
+        if full_state is not None and rank == 0:
+            torch.save(full_state, exp.save_model_path)
         writer.close()
         if exp.cluster.nnodes > 1:
             _send_rows_to_rank0(Path(run_dir), rank, node_rank)

@@ -52,5 +52,9 @@ class Strategy(ABC):
         """Communication of the step just finished; resets the recorder for the next one."""
         return self.comm.pop(backward_end_s)
 
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's parameters and buffers, as a single process would have them."""
+        return getattr(model, "module", model).state_dict()
+
     def describe(self) -> dict[str, Any]:
         return self.spec.model_dump()

@@ -1,0 +1,116 @@
+"""A small decoder-only transformer in the style of nanoGPT, readable top to bottom.
+
+    tokens -> token embedding + learned position embedding
+           -> N x Block(x + attn(ln(x)), x + mlp(ln(x)))   (pre-LayerNorm)
+           -> final LayerNorm -> lm_head (untied) -> logits
+
+`GPT.blocks` is a plain nn.ModuleList so strategies can shard or pipeline
+the model block by block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+INIT_STD = 0.02  # GPT-2's initialisation scale
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int  # longest sequence the position embedding covers
+    layers: int
+    hidden: int
+    heads: int
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} must be divisible by heads {self.heads}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, hidden = x.shape
+        # (B, T, 3C) -> three (B, heads, T, head_dim) tensors
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, hidden)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.hidden)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.token_emb = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_final = nn.LayerNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # GPT-2: each block adds two projections to the residual stream, so
+        # shrink them to keep its variance independent of depth.
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * self.cfg.layers))
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
+        seq = idx.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.cfg.seq_len}")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.emb_dropout(self.token_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_final(x))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,42 @@
+import os
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, cwd: Path, timeout_s: float = 240) -> CliResult:
+    """Run `ddlscope ARGS` as a user would: a fresh process, no TTY."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "ddlscope", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    def call(*args: str, timeout_s: float = 240) -> CliResult:
+        return run_cli(*args, cwd=tmp_path, timeout_s=timeout_s)
+
+    return call
+
+
+@pytest.fixture
+def db_rows(tmp_path: Path):
+    def query(sql: str, *params: object) -> list[tuple]:
+        with sqlite3.connect(tmp_path / "ddlscope.db") as conn:
+            return conn.execute(sql, params).fetchall()
+
+    return query
