@@ -179,7 +179,7 @@ def _quiet_torch_logging() -> None:
     ddlscope reports a failure itself in one line and keeps the full traceback
     in the worker logs, so the agent's own logging would only repeat it.
     """
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

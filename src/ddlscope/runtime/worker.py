@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from ddlscope.runtime.config import experiment_from_json
 from ddlscope.runtime.loop import train
 from ddlscope.runtime.rows import RowWriter, rank_file, read_records, remote_rank_file
-from ddlscope.specs import ClusterSpec
+from ddlscope.specs import ClusterSpec, Experiment
 from ddlscope.strategies import STRATEGIES
 from ddlscope.strategies.base import RunContext
 from ddlscope.workloads import WORKLOADS
@@ -50,7 +51,7 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
         device = choose_device(exp.cluster, local_rank)
         backend = choose_backend(exp.cluster, device)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-        _check_same_experiment(experiment_json)
+        _check_same_experiment(exp)
         ctx = RunContext(rank, world, local_rank, node_rank, device, backend, exp)
         writer.event("started", f"host={os.uname().nodename} pid={os.getpid()} device={device} backend={backend}")
         task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
@@ -73,9 +74,10 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _check_same_experiment(experiment_json: str) -> None:
-    """Every launcher of a multi-node run must have been given the same experiment."""
-    digest = hashlib.sha256(experiment_json.encode()).hexdigest()[:16]
+def _check_same_experiment(exp: Experiment) -> None:
+    """Every launcher of a multi-node run must have been given the same experiment (but its node rank)."""
+    same_everywhere = exp.model_dump(mode="json", exclude={"cluster": {"node_rank"}})
+    digest = hashlib.sha256(json.dumps(same_everywhere, sort_keys=True).encode()).hexdigest()[:16]
     digests: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
     if len(set(digests)) > 1:
