@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 env: $(STAMP)
 
-# The main job. Until `ddlscope study paper` exists: the default DDP experiment and its summary.
+# The main job. Until `ddlscope study paper` exists: the default DDP experiment and its
+# summary, after a one-process baseline of the same workload so the summary shows a speedup.
 study: env
+	$(BIN)/ddlscope run configs/default.toml --strategy single --world-size 1 --name baseline-single --quiet > /dev/null
 	$(BIN)/ddlscope run configs/default.toml
 
 test: env

@@ -101,8 +101,9 @@ def run(
     else:
         _print_summary(summary)
     if result.status != "finished":
-        err_console.print(f"run {result.run_id} {result.status}: {result.error}  (worker logs: {result.run_dir / 'logs'})")
-        raise typer.Exit(1)
+        err_console.print(f"run {result.run_id} {result.status}: {result.error}  (worker logs: {result.run_dir / 'logs'})",
+                          markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(130 if result.status == "interrupted" else 1)
 
 
 class _progress:
@@ -143,7 +144,8 @@ def runs(db: DbOption = DEFAULT_DB,
          limit: Annotated[int, typer.Option(help="Show the newest N runs.")] = 50) -> None:
     """List the runs in the store, newest first."""
     with _open_store(db) as store:
-        table = Table("id", "name", "workload", "strategy", "ranks", "status", "steps", "created", "duration")
+        table = Table("id", "name", "workload", "strategy", "ranks", "status", "steps", "created", "duration",
+                      box=None, pad_edge=False)
         for r in store.list_runs(limit):
             steps = store.count_steps(r.id) // max(r.world_size, 1)
             duration = f"{r.finished_at - r.started_at:.1f}s" if r.finished_at and r.started_at else ""
@@ -263,7 +265,7 @@ def slurm(
 def _when(ts: float) -> str:
     import datetime as dt
 
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+    return dt.datetime.fromtimestamp(ts).strftime("%m-%d %H:%M")
 
 
 def _fmt_bytes(n: float) -> str:

@@ -130,7 +130,8 @@ def launch(exp: Experiment, store_path: Path,
     except ChildFailedError as exc:
         status, error = "failed", _first_failure(exc)
     except (KeyboardInterrupt, SignalException) as exc:
-        status, error = "interrupted", f"interrupted ({type(exc).__name__})"
+        signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
+        status, error = "interrupted", f"interrupted by {signal_name}"
     except Exception as exc:  # rendezvous errors and the like: the run did not happen
         status, error = "failed", f"{type(exc).__name__}: {exc}"
     finally:
