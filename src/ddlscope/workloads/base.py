@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -98,6 +98,13 @@ class Workload(ABC):
     description: ClassVar[str]
     # False for synthetic data: throughput and memory studies only, never accuracy.
     accuracy_meaningful: ClassVar[bool] = True
+
+    @classmethod
+    def checked(cls, spec: WorkloadSpec) -> Any:
+        """The spec, after making sure it is this workload's own spec class."""
+        if not isinstance(spec, cls.spec_class):
+            raise TypeError(f"{cls.__name__} needs a {cls.spec_class.__name__}, got {type(spec).__name__}")
+        return spec
 
     @classmethod
     @abstractmethod

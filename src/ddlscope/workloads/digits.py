@@ -84,8 +84,7 @@ class MlpDigits(Workload):
 
     @classmethod
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        if not isinstance(spec, MlpDigitsSpec):
-            raise TypeError(f"mlp-digits needs an MlpDigitsSpec, got {type(spec).__name__}")
+        spec = cls.checked(spec)
         train, test = _datasets((IMAGE_SIDE_PX * IMAGE_SIDE_PX,))
         torch.manual_seed(seed)
         return _task(build_mlp(spec.hidden, spec.layers), train, test)
@@ -125,8 +124,7 @@ class CnnDigits(Workload):
 
     @classmethod
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        if not isinstance(spec, CnnDigitsSpec):
-            raise TypeError(f"cnn-digits needs a CnnDigitsSpec, got {type(spec).__name__}")
+        spec = cls.checked(spec)
         train, test = _datasets((1, IMAGE_SIDE_PX, IMAGE_SIDE_PX))
         torch.manual_seed(seed)
         return _task(build_cnn(spec.channels), train, test)

@@ -151,8 +151,7 @@ class GptChar(Workload):
 
     @classmethod
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        if not isinstance(spec, GPTSpec):
-            raise TypeError(f"gpt-char needs a GPTSpec, got {type(spec).__name__}")
+        spec = cls.checked(spec)
         train, test = char_splits(spec.seq_len)
         model = _build_model(spec, len(load_char_corpus().vocab), seed)
         return Task(
@@ -174,8 +173,7 @@ class GptSynthetic(Workload):
 
     @classmethod
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        if not isinstance(spec, GPTSyntheticSpec):
-            raise TypeError(f"gpt-synthetic needs a GPTSyntheticSpec, got {type(spec).__name__}")
+        spec = cls.checked(spec)
         sequences = synthetic_sequences(spec.vocab_size, spec.samples + SYNTHETIC_TEST_SAMPLES, spec.seq_len, seed)
         train_seqs, test_seqs = sequences[: spec.samples], sequences[spec.samples :]
         model = _build_model(spec, spec.vocab_size, seed)
