@@ -117,6 +117,7 @@ class Experiment(Spec):
     strategy: SerializeAsAny[StrategySpec]
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     save_model_path: str | None = Field(None, description="rank 0 saves the final model's state_dict here (torch.save)")
+    checkpoint_dir: str | None = Field(None, description="save a torch.distributed.checkpoint of model + optimizer here at the end")
 
     def per_rank_batch(self) -> int:
         if self.strategy.splits_global_batch:

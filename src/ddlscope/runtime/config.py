@@ -21,7 +21,8 @@ from ddlscope.workloads import WORKLOADS
 
 DEFAULT_WORKLOAD = "mlp-digits"
 DEFAULT_STRATEGY = "ddp"
-SECTIONS = ("name", "seed", "save_model_path", "workload", "strategy", "cluster")
+TOP_LEVEL = ("name", "seed", "save_model_path", "checkpoint_dir")
+SECTIONS = (*TOP_LEVEL, "workload", "strategy", "cluster")
 
 
 def load_experiment(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Experiment:
@@ -74,7 +75,7 @@ def experiment_from_dict(raw: dict[str, Any]) -> Experiment:
     workload = _plugin_spec(WORKLOADS, "workload", raw.get("workload", {}), DEFAULT_WORKLOAD)
     strategy = _plugin_spec(STRATEGIES, "strategy", raw.get("strategy", {}), DEFAULT_STRATEGY)
     cluster = _validate(ClusterSpec, raw.get("cluster", {}), "cluster")
-    top = {k: raw[k] for k in ("name", "seed", "save_model_path") if k in raw}
+    top = {k: raw[k] for k in TOP_LEVEL if k in raw}
     try:
         exp = Experiment(workload=workload, strategy=strategy, cluster=cluster, **top)
     except ValidationError as err:

@@ -36,6 +36,7 @@ class LoopResult:
     train_s: float
     final_loss: float
     model: nn.Module
+    optimizer: torch.optim.Optimizer
 
 
 def make_optimizer(model: nn.Module, spec: WorkloadSpec) -> torch.optim.Optimizer:
@@ -118,7 +119,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     memory.update(peak_process_bytes(device))
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
-    return LoopResult(spec.steps, train_s, loss_value, model)
+    return LoopResult(spec.steps, train_s, loss_value, model, optimizer)
 
 
 def _crash(writer: RowWriter, step: int) -> None:

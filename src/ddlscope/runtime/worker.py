@@ -60,6 +60,9 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
         full_state = strategy.full_state_dict(result.model) if exp.save_model_path else None
         if full_state is not None and rank == 0:
             torch.save(full_state, exp.save_model_path)
+        if exp.checkpoint_dir:
+            strategy.save_checkpoint(result.model, result.optimizer, exp.checkpoint_dir)
+            writer.event("checkpoint", exp.checkpoint_dir)
         writer.close()
         if exp.cluster.nnodes > 1:
             _send_rows_to_rank0(Path(run_dir), rank, node_rank)

@@ -53,8 +53,21 @@ class Strategy(ABC):
         return self.comm.pop(backward_end_s)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The whole model's parameters and buffers, as a single process would have them."""
-        return getattr(model, "module", model).state_dict()
+        """The whole model's parameters and buffers, as a single process would have them.
+
+        Collective for sharded strategies: every rank must call it.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """Model and optimizer through torch.distributed.checkpoint (each rank writes its own shards)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
 
     def describe(self) -> dict[str, Any]:
         return self.spec.model_dump()
