@@ -33,6 +33,10 @@ class RowWriter:
         self.write("event", seq=self._event_seq, t=time.time(), event=event, message=message)
         self._event_seq += 1
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()

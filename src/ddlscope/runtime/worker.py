@@ -69,7 +69,8 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
         dist.barrier()
         return {"rank": rank, "train_s": result.train_s, "final_loss": result.final_loss}
     except BaseException as exc:
-        writer.event("error", f"{type(exc).__name__}: {exc}")
+        if not writer.closed:
+            writer.event("error", f"{type(exc).__name__}: {exc}")
         raise
     finally:
         writer.close()
