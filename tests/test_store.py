@@ -33,7 +33,7 @@ def test_ingest_twice_neither_loses_nor_duplicates(tmp_path):
         run_id = _new_run(store)
         first = ingest_run_dir(store, run_id, tmp_path / "run")
         second = ingest_run_dir(store, run_id, tmp_path / "run")
-        assert first == second == {"step": 10, "eval": 0, "memory": 2, "event": 2}
+        assert first == second == {"step": 10, "eval": 0, "memory": 2, "event": 2, "update": 0}
         assert store.count_steps(run_id) == 10
         assert len(store.memory(run_id)) == 4 and len(store.events(run_id)) == 2
 

@@ -10,6 +10,7 @@ knows the registries; this module knows none of them.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
@@ -46,11 +47,70 @@ class StrategySpec(Spec):
 
     name: str = Field(description="registered strategy name")
 
+    def extra_ranks(self) -> int:
+        """Processes beyond cluster.world_size training ranks (e.g. parameter servers)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class NetworkProfile:
+    """A named cluster network, per device (what one rank's link gets)."""
+
+    alpha_us: float
+    bandwidth_gbps: float
+    target_device: str  # whose compute speed `scaled` mode matches
+    target_flops: float  # dense bf16 peak of that device, FLOP/s (REFERENCE.md)
+    source: str
+
+
+# The main study's two clusters (../shared/REFERENCE.md, vendor datasheets):
+# fast: DGX A100, 8x HDR InfiniBand 200 Gb/s per node = 200 Gb/s per GPU;
+# slow: AWS g5.12xlarge, 4x A10G sharing 40 Gb/s Ethernet = 10 Gb/s per GPU.
+# Latencies are typical values for each fabric (RDMA ~ a few us, cloud TCP ~ 50 us).
+NETWORK_PROFILES: dict[str, NetworkProfile] = {
+    "fast": NetworkProfile(5.0, 200.0, "a100", 312e12, "DGX A100: 8x HDR InfiniBand 200 Gb/s per node"),
+    "slow": NetworkProfile(50.0, 10.0, "a10g", 125e12, "AWS g5.12xlarge: 4x A10G share 40 Gb/s Ethernet"),
+}
+# In `scaled` mode the target device is assumed to reach this fraction of its
+# peak in training (typical MFU of well-tuned training), and this machine its
+# measured matmul rate; bandwidth shrinks by the ratio of the two.
+TARGET_COMPUTE_EFFICIENCY = 0.4
+
 
 class NetworkSpec(Spec):
-    # Named emulated profiles (fast/slow clusters, custom alpha/bandwidth) come
-    # with network emulation; until then only the real local network exists.
-    profile: Literal["local"] = Field("local", description="network profile; 'local' means no emulation")
+    profile: Literal["local", "fast", "slow", "custom"] = Field(
+        "local", description="local: no emulation; fast/slow: the main study's clusters; custom: alpha_us + bandwidth_gbps")
+    alpha_us: float | None = Field(None, ge=0, description="per-message latency, microseconds (overrides the profile's)")
+    bandwidth_gbps: float | None = Field(None, gt=0, description="per-rank link bandwidth, Gbit/s (overrides the profile's)")
+    scaled: bool = Field(False, description="divide bandwidth by (target device FLOP/s / this machine's), "
+                                            "so communication-to-computation matches the target cluster")
+    mode: Literal["emulated", "shaped"] = Field(
+        "emulated", description="emulated: each message waits alpha + bytes/bandwidth in software; "
+                                "shaped: ranks in network namespaces with tc rate limits (latency still emulated)")
+
+    @model_validator(mode="after")
+    def _complete(self) -> "NetworkSpec":
+        if self.profile == "custom" and (self.alpha_us is None or self.bandwidth_gbps is None):
+            raise ValueError("profile 'custom' needs both alpha_us and bandwidth_gbps")
+        if self.profile == "local" and (self.alpha_us is not None or self.bandwidth_gbps is not None or self.scaled):
+            raise ValueError("profile 'local' emulates nothing; pick fast, slow or custom to set alpha/bandwidth/scaled")
+        if self.mode == "shaped" and self.profile == "local":
+            raise ValueError("mode 'shaped' needs a profile with a bandwidth")
+        return self
+
+    def link(self) -> tuple[float, float] | None:
+        """(alpha_s, bandwidth_bytes_per_s) before scaling, or None for the real network."""
+        if self.profile == "local":
+            return None
+        named = NETWORK_PROFILES.get(self.profile)
+        alpha_us = self.alpha_us if self.alpha_us is not None else named.alpha_us  # type: ignore[union-attr]
+        gbps = self.bandwidth_gbps if self.bandwidth_gbps is not None else named.bandwidth_gbps  # type: ignore[union-attr]
+        return alpha_us * 1e-6, gbps * 1e9 / 8
+
+    def target_flops(self) -> float:
+        """The compute speed `scaled` mode matches: the profile's device, or an A100 for custom links."""
+        named = NETWORK_PROFILES.get(self.profile, NETWORK_PROFILES["fast"])
+        return named.target_flops * TARGET_COMPUTE_EFFICIENCY
 
 
 class Fault(Spec):
@@ -132,6 +192,8 @@ def check_consistency(exp: Experiment) -> None:
         raise ConfigError(
             f"cluster.world_size = {ws}: strategy {exp.strategy.name} runs one process; use world_size 1"
         )
+    if exp.strategy.extra_ranks() and exp.cluster.nnodes > 1:
+        raise ConfigError(f"cluster.nnodes = {exp.cluster.nnodes}: strategy {exp.strategy.name} runs on one node for now")
     if exp.strategy.splits_global_batch and exp.workload.batch_size % ws:
         raise ConfigError(
             f"workload.batch_size = {exp.workload.batch_size}: must be divisible by cluster.world_size = {ws} "

@@ -27,6 +27,8 @@ STEP_COLUMNS = (
     "comm_s", "compute_cpu_s", "samples", "loss", "bytes_sent",
 )
 EVAL_COLUMNS = ("wall_s", "samples_seen", "metric_name", "metric", "loss")
+# One row per update a parameter server applied (rank = the server).
+UPDATE_COLUMNS = ("t_s", "worker", "worker_step", "staleness", "queue_s", "apply_s", "cpu_s", "bytes")
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -69,6 +71,13 @@ CREATE TABLE IF NOT EXISTS memory (
     category TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     PRIMARY KEY (run_id, rank, category)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS updates (
+    run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
+    rank INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    {", ".join(f"{c} {'INTEGER' if c in ('worker', 'worker_step', 'staleness', 'bytes') else 'REAL'}" for c in UPDATE_COLUMNS)},
+    PRIMARY KEY (run_id, rank, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS events (
     run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
@@ -212,7 +221,7 @@ class Store:
     # -- rows ----------------------------------------------------------------
     def ingest(self, run_id: int, records: Iterable[dict[str, Any]]) -> dict[str, int]:
         """Insert worker records idempotently, in one transaction. Returns counts by kind."""
-        counts = {"step": 0, "eval": 0, "memory": 0, "event": 0}
+        counts = {"step": 0, "eval": 0, "memory": 0, "event": 0, "update": 0}
         with self.transaction() as c:
             for rec in records:
                 kind = rec.get("kind")
@@ -226,6 +235,12 @@ class Store:
                     cols = ("rank", "step", *EVAL_COLUMNS)
                     c.execute(
                         f"INSERT OR REPLACE INTO evals(run_id, {', '.join(cols)}) VALUES (?{', ?' * len(cols)})",
+                        (run_id, *(rec.get(k) for k in cols)),
+                    )
+                elif kind == "update":
+                    cols = ("rank", "seq", *UPDATE_COLUMNS)
+                    c.execute(
+                        f"INSERT OR REPLACE INTO updates(run_id, {', '.join(cols)}) VALUES (?{', ?' * len(cols)})",
                         (run_id, *(rec.get(k) for k in cols)),
                     )
                 elif kind == "memory":
@@ -259,6 +274,9 @@ class Store:
 
     def memory(self, run_id: int) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM memory WHERE run_id=? ORDER BY rank, category", (run_id,)).fetchall()
+
+    def updates(self, run_id: int) -> list[sqlite3.Row]:
+        return self.conn.execute("SELECT * FROM updates WHERE run_id=? ORDER BY rank, seq", (run_id,)).fetchall()
 
     def events(self, run_id: int) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM events WHERE run_id=? ORDER BY t, rank, seq", (run_id,)).fetchall()

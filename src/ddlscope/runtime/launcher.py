@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import ddlscope
 from ddlscope.runtime.config import experiment_to_dict
+from ddlscope.runtime.emulation import resolve_link
 from ddlscope.runtime.rows import rank_file, read_records, run_files
 from ddlscope.runtime.worker import worker_main
 from ddlscope.specs import Experiment
@@ -88,6 +89,9 @@ def launch(exp: Experiment, store_path: Path,
     """Run one experiment to the end and return how it went. Never leaves a run marked running."""
     cluster = exp.cluster
     run_uuid = uuid.uuid4().hex
+    link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
+    env_record = {**environment(), "network": network_record, "ranks": cluster.world_size,
+                  "extra_ranks": exp.strategy.extra_ranks()}
     store: Store | None = None
     run_id: int | None = None
     if cluster.node_rank == 0:
@@ -95,7 +99,7 @@ def launch(exp: Experiment, store_path: Path,
         run_id = store.create_run(
             uuid=run_uuid, name=exp.name, workload=exp.workload.name, strategy=exp.strategy.name,
             world_size=cluster.world_size, config=experiment_to_dict(exp), code_version=code_version(),
-            seed=exp.seed, environment=environment())
+            seed=exp.seed, environment=env_record)
         run_dir = run_dir_for(store_path, run_uuid)
     else:
         run_dir = run_dir_for(store_path, f"{run_uuid}-node{cluster.node_rank}")
@@ -105,7 +109,7 @@ def launch(exp: Experiment, store_path: Path,
     config = LaunchConfig(
         min_nodes=cluster.nnodes,
         max_nodes=cluster.nnodes,
-        nproc_per_node=cluster.procs_per_node,
+        nproc_per_node=cluster.procs_per_node + exp.strategy.extra_ranks(),
         run_id=RDZV_ID,
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
@@ -126,7 +130,7 @@ def launch(exp: Experiment, store_path: Path,
     progress = _start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
     status, error = "finished", None
     try:
-        elastic_launch(config, worker_main)(exp.model_dump_json(), str(run_dir))
+        elastic_launch(config, worker_main)(exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "")
     except ChildFailedError as exc:
         status, error = "failed", _first_failure(exc)
     except (KeyboardInterrupt, SignalException) as exc:

@@ -94,7 +94,8 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         strategy.synchronize(model)
         device_sync(device)
         t4 = clock()
-        optimizer.step()
+        if strategy.local_optimizer:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
         device_sync(device)
@@ -116,6 +117,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
             eval_s += _evaluate(task, model, ctx, writer, step, clock() - start - eval_s)
 
     train_s = clock() - start - eval_s
+    strategy.finish(model)
     memory.update(peak_process_bytes(device))
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
@@ -143,7 +145,7 @@ def _evaluate(task: Task, model: nn.Module, ctx: RunContext, writer: RowWriter, 
         writer.write("eval", step=step, wall_s=wall_s,
                      samples_seen=(step + 1) * ctx.experiment.workload.batch_size,
                      metric_name=result.metric_name, metric=result.metric, loss=result.loss)
-    if ctx.world_size > 1:
-        dist.barrier()
+    if ctx.workers > 1:
+        dist.barrier(group=ctx.worker_group)
     return clock() - began
 

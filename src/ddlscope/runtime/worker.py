@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 from ddlscope.runtime.config import experiment_from_json
-from ddlscope.runtime.loop import train
+from ddlscope.runtime.loop import LoopResult, train
+from ddlscope.runtime.ps_server import serve
 from ddlscope.runtime.rows import RowWriter, rank_file, read_records, remote_rank_file
 from ddlscope.specs import ClusterSpec, Experiment
 from ddlscope.strategies import STRATEGIES
-from ddlscope.strategies.base import RunContext
+from ddlscope.strategies.base import RunContext, Strategy
+from ddlscope.strategies.comm import LinkModel
 from ddlscope.workloads import WORKLOADS
 
 
@@ -37,7 +39,7 @@ def choose_backend(cluster: ClusterSpec, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
+def worker_main(experiment_json: str, run_dir: str, link_json: str = "") -> dict[str, Any]:
     exp = experiment_from_json(experiment_json)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, node_rank = int(os.environ["LOCAL_RANK"]), int(os.environ.get("GROUP_RANK", "0"))
@@ -52,22 +54,26 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
         backend = choose_backend(exp.cluster, device)
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         _check_same_experiment(exp)
-        ctx = RunContext(rank, world, local_rank, node_rank, device, backend, exp)
+        workers = exp.cluster.world_size
+        # new_group is collective: every rank, servers included, must call it.
+        worker_group = dist.new_group(list(range(workers))) if workers < world else None
+        link = LinkModel(**json.loads(link_json)) if link_json else None
+        ctx = RunContext(rank, world, local_rank, node_rank, device, backend, exp, link, workers, worker_group)
         writer.event("started", f"host={os.uname().nodename} pid={os.getpid()} device={device} backend={backend}")
         task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
         strategy = STRATEGIES.get(exp.strategy.name)(exp.strategy, ctx)
-        result = train(task, strategy, ctx, writer)
-        full_state = strategy.full_state_dict(result.model) if exp.save_model_path else None
-        if full_state is not None and rank == 0:
-            torch.save(full_state, exp.save_model_path)
-        if exp.checkpoint_dir:
-            strategy.save_checkpoint(result.model, result.optimizer, exp.checkpoint_dir)
-            writer.event("checkpoint", exp.checkpoint_dir)
+        if getattr(strategy, "is_server", lambda: False)():
+            serve(task, strategy, ctx, writer)  # type: ignore[arg-type]
+            outcome: dict[str, Any] = {"rank": rank, "role": "server"}
+        else:
+            result = train(task, strategy, ctx, writer)
+            _save_outputs(exp, strategy, result, rank, writer)
+            outcome = {"rank": rank, "role": "worker", "train_s": result.train_s, "final_loss": result.final_loss}
         writer.close()
         if exp.cluster.nnodes > 1:
             _send_rows_to_rank0(Path(run_dir), rank, node_rank)
         dist.barrier()
-        return {"rank": rank, "train_s": result.train_s, "final_loss": result.final_loss}
+        return outcome
     except BaseException as exc:
         if not writer.closed:
             writer.event("error", f"{type(exc).__name__}: {exc}")
@@ -76,6 +82,16 @@ def worker_main(experiment_json: str, run_dir: str) -> dict[str, Any]:
         writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _save_outputs(exp: Experiment, strategy: Strategy, result: LoopResult, rank: int, writer: RowWriter) -> None:
+    if exp.save_model_path:
+        full_state = strategy.full_state_dict(result.model)  # collective for sharded strategies
+        if rank == 0:
+            torch.save(full_state, exp.save_model_path)
+    if exp.checkpoint_dir:
+        strategy.save_checkpoint(result.model, result.optimizer, exp.checkpoint_dir)
+        writer.event("checkpoint", exp.checkpoint_dir)
 
 
 def _check_same_experiment(exp: Experiment) -> None:

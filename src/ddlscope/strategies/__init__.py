@@ -7,6 +7,6 @@ from ddlscope.strategies.comm import CommRecorder, CommStats
 STRATEGIES: Registry[type[Strategy]] = Registry("strategy")
 
 # Importing a module registers its strategies.
-from ddlscope.strategies import ddp, single  # noqa: E402,F401
+from ddlscope.strategies import ddp, fsdp, ps, single  # noqa: E402,F401
 
 __all__ = ["STRATEGIES", "CommRecorder", "CommStats", "RunContext", "Strategy"]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddlscope.specs import Experiment, StrategySpec
-from ddlscope.strategies.comm import CommRecorder, CommStats
+from ddlscope.strategies.comm import CommRecorder, CommStats, LinkModel
 
 
 @dataclass
@@ -30,16 +30,24 @@ class RunContext:
     device: torch.device
     backend: str
     experiment: Experiment
+    link: LinkModel | None = None  # the emulated network, None for the real one
+    workers: int = 0  # training ranks (world_size minus servers); 0 means all
+    worker_group: Any = None  # process group of the training ranks (None: the whole world)
+
+    def __post_init__(self) -> None:
+        self.workers = self.workers or self.world_size
 
 
 class Strategy(ABC):
     spec_class: ClassVar[type[StrategySpec]]
     description: ClassVar[str]
+    # False when the optimizer runs elsewhere (a parameter server): the loop only zeroes gradients.
+    local_optimizer: ClassVar[bool] = True
 
     def __init__(self, spec: StrategySpec, ctx: RunContext):
         self.spec = spec
         self.ctx = ctx
-        self.comm = CommRecorder()
+        self.comm = CommRecorder(ctx.link, ctx.workers)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module to train (e.g. wrapped in DDP). The model is already on the device."""
@@ -47,6 +55,9 @@ class Strategy(ABC):
 
     def synchronize(self, model: nn.Module) -> None:
         """Explicit communication after backward and before the optimizer step (none by default)."""
+
+    def finish(self, model: nn.Module) -> None:
+        """After the last step, before memory is recorded (e.g. tell servers this rank is done)."""
 
     def comm_stats(self, backward_end_s: float) -> CommStats:
         """Communication of the step just finished; resets the recorder for the next one."""

@@ -1,11 +1,48 @@
-"""Communication accounting shared by every strategy: bytes sent, and when
-each collective ran, so the loop can split communication into the part hidden
-behind backward compute and the part the step waited for."""
+"""Communication accounting and network emulation, shared by every strategy.
+
+Every strategy reports its messages here: `launched(payload_bytes, kind)`
+when a collective or message starts and `completed(pending)` when it ends.
+That gives bytes sent and when communication was in flight, so the loop can
+split it into the part hidden behind compute and the part the step waited for.
+
+The same two calls are where network emulation happens, once for all
+strategies: with an emulated link, a message cannot complete before
+`alpha + wire_bytes / bandwidth` after the link is free (messages on one link
+are serialised), so strategies on a fast local machine see the cluster's
+network. The real transfer still happens; emulation only ever adds waiting.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+# Kinds of messages and the bytes each puts on one rank's link (ring algorithms:
+# Patarasuk & Yuan; the same forms as the predictor's collective models).
+WIRE_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,  # reduce-scatter + all-gather of the payload
+    "reduce_scatter": lambda n: (n - 1) / n,  # payload = the full input
+    "all_gather": lambda n: n - 1,  # payload = this rank's shard; it receives n-1 of them
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One rank's emulated link: latency and bandwidth (after `scaled` division)."""
+
+    alpha_s: float
+    bandwidth_bytes_per_s: float
+
+    def transfer_s(self, kind: str, payload_bytes: int, ranks: int) -> float:
+        wire_bytes = payload_bytes * WIRE_FACTORS[kind](max(ranks, 1)) if ranks > 1 or kind == "p2p" else 0.0
+        return self.alpha_s + wire_bytes / self.bandwidth_bytes_per_s
 
 
 @dataclass
@@ -15,26 +52,85 @@ class CommStats:
     exposed_in_backward_s: float = 0.0  # tail of backward spent only waiting for communication
 
 
+@dataclass
+class Pending:
+    """A message in flight: when it started and the earliest it may complete."""
+
+    launch_s: float
+    ready_s: float
+
+
 class CommRecorder:
     """Collects (launch, completion) intervals and payload bytes for one step.
 
-    Completion callbacks may run on a backend thread; list.append is atomic
-    under the GIL, so no lock is needed.
+    Completion callbacks may run on a backend thread; appends are atomic under
+    the GIL and the link clock is guarded by a lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, link: LinkModel | None = None, ranks: int = 1) -> None:
+        self.link = link
+        self.ranks = ranks
         self._intervals: list[tuple[float, float]] = []
         self._bytes = 0
         self._last_launch_s: float | None = None
+        self._link_free_s = 0.0
+        self._lock = threading.Lock()
 
-    def launched(self, payload_bytes: int) -> float:
+    def launched(self, payload_bytes: int, kind: str = "all_reduce", ranks: int | None = None) -> Pending:
         now = time.perf_counter()
         self._bytes += payload_bytes
         self._last_launch_s = now
-        return now
+        ready = now
+        if self.link is not None:
+            with self._lock:
+                start = max(now, self._link_free_s)
+                ready = start + self.link.transfer_s(kind, payload_bytes, ranks or self.ranks)
+                self._link_free_s = ready
+        return Pending(now, ready)
 
-    def completed(self, launch_s: float) -> None:
-        self._intervals.append((launch_s, time.perf_counter()))
+    def completed(self, pending: Pending) -> None:
+        """The message is done: wait out what the emulated link still owes, then record it."""
+        remaining = pending.ready_s - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        self._intervals.append((pending.launch_s, time.perf_counter()))
+
+    def complete_future(self, future: torch.futures.Future[Any], pending: Pending) -> torch.futures.Future[Any]:
+        """A future that resolves like `future`, but not before the emulated link allows.
+
+        The delay runs on a timer thread, never on the backend's own thread, so
+        other messages keep flowing meanwhile.
+        """
+        if self.link is None:
+            def record(fut: torch.futures.Future[Any]) -> Any:
+                self._intervals.append((pending.launch_s, time.perf_counter()))
+                return fut.value()
+
+            return future.then(record)
+
+        delayed: torch.futures.Future[Any] = torch.futures.Future()
+
+        def finish(fut: torch.futures.Future[Any]) -> None:
+            try:
+                value = fut.value()
+            except Exception as exc:  # surface the backend's error where the caller waits
+                delayed.set_exception(exc)
+                return
+            self._intervals.append((pending.launch_s, max(time.perf_counter(), pending.ready_s)))
+            delayed.set_result(value)
+
+        def on_done(fut: torch.futures.Future[Any]) -> None:
+            remaining = pending.ready_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            finish(fut)
+
+        future.add_done_callback(on_done)
+        return delayed
+
+    def complete_work(self, work: dist.Work, pending: Pending) -> dist.Work:
+        """A Work whose wait() also waits out the emulated link and records completion."""
+        return _RecordedWork(work, pending, self)
 
     def pop(self, backward_end_s: float) -> CommStats:
         """Stats since the last pop.
@@ -49,6 +145,26 @@ class CommRecorder:
         stats = CommStats(self._bytes, _union_length_s(self._intervals), exposed)
         self._intervals, self._bytes, self._last_launch_s = [], 0, None
         return stats
+
+
+class _RecordedWork(dist.Work):
+    def __init__(self, inner: dist.Work, pending: Pending, recorder: CommRecorder):
+        super().__init__()
+        self._inner, self._pending, self._recorder = inner, pending, recorder
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if not self._done:
+            self._done = True
+            self._recorder.completed(self._pending)
+        return ok
+
+    def is_completed(self) -> bool:
+        return self._done or (self._inner.is_completed() and time.perf_counter() >= self._pending.ready_s)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._recorder.complete_future(self._inner.get_future(), self._pending)
 
 
 def _union_length_s(intervals: list[tuple[float, float]]) -> float:

@@ -87,14 +87,8 @@ def _timed(hook: Hook, payload_bytes: Callable[[Any, dist.GradBucket], int], rec
     # No annotations on the hook's parameters: DDP rejects a `bucket` annotation
     # that is not the GradBucket class itself, and postponed annotations are strings.
     def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
-        launch_s = recorder.launched(payload_bytes(state, bucket))
-        future = hook(state, bucket)
-
-        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            recorder.completed(launch_s)
-            return fut.value()
-
-        return future.then(done)
+        pending = recorder.launched(payload_bytes(state, bucket), "all_reduce")
+        return recorder.complete_future(hook(state, bucket), pending)
 
     return timed_hook
 

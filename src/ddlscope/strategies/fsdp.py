@@ -1,0 +1,259 @@
+"""`fsdp`: torch's FSDP2 (`fully_shard`) on a 1-D device mesh over all ranks.
+
+Parameters, gradients and optimizer state are sharded (dim 0) across ranks;
+each FSDP unit all-gathers its parameters before its forward (and again before
+its backward when resharded after forward) and reduce-scatters its gradients
+after its backward. The batch is split across ranks as in DDP.
+
+Every all-gather and reduce-scatter goes through a timed wrapper of FSDP's own
+default collective (`set_custom_all_gather` / `set_custom_reduce_scatter`), so
+the step records real bytes and intervals. What the step columns mean for
+FSDP is in `FSDP.comm_stats`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from ddlscope.specs import StrategySpec, remember_spec_class
+from ddlscope.strategies import STRATEGIES
+from ddlscope.strategies.base import RunContext, Strategy
+from ddlscope.strategies.comm import CommRecorder, CommStats, Pending
+
+clock = time.perf_counter
+
+
+class FSDPSpec(StrategySpec):
+    name: Literal["fsdp"] = "fsdp"
+    reshard_after_forward: bool = Field(
+        True, description="free gathered parameters after each unit's forward and gather them again for backward "
+                          "(ZeRO-3); False keeps them until backward (less communication, more memory)")
+    wrap: Literal["block", "model"] = Field(
+        "block", description="block: one FSDP unit per transformer block (model.blocks) or per top-level child "
+                             "with parameters, plus the root; model: one unit for the whole model")
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none", description="bf16: gather and compute in bf16, reduce gradients and keep sharded parameters in fp32")
+
+
+remember_spec_class(FSDPSpec)
+
+
+@STRATEGIES.register("fsdp")
+class FSDP(Strategy):
+    spec_class = FSDPSpec
+    description = "torch FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over all ranks"
+    spec: FSDPSpec
+
+    def __init__(self, spec: StrategySpec, ctx: RunContext):
+        super().__init__(spec, ctx)
+        self._timer = _CollectiveTimer(self.comm)
+        self._root: nn.Module | None = None
+        self._units: list[FSDPModule] = []
+        self._forward_end_s = float("-inf")
+        self._step = 0
+        self._unsharded_for_eval = False
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        mp_policy = mixed_precision_policy(self.spec.mixed_precision, self.ctx.device)
+        if self.spec.wrap == "block":
+            for unit in _block_units(model):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=self.spec.reshard_after_forward,
+                            mp_policy=mp_policy)
+        # The root keeps torch's default (None): it is not resharded after
+        # forward, because backward would gather it again at once.
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        self._root = model
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in self._units:
+            unit.set_custom_all_gather(_TimedAllGather(self._timer))
+            unit.set_custom_reduce_scatter(_TimedReduceScatter(self._timer))
+        # Runs before FSDP's own pre-forward hook (both prepend; ours is added last).
+        model.register_forward_pre_hook(self._before_forward, prepend=True)
+        model.register_forward_hook(self._after_forward)
+        return model
+
+    def comm_stats(self, backward_end_s: float) -> CommStats:
+        """Communication of the step just finished.
+
+        FSDP communicates in forward too (all-gathers), and on CPU/gloo every
+        collective FSDP issues is synchronous (it uses no async ops by default
+        and there are no streams to overlap on), so none of it is hidden
+        behind compute. What the step row means for FSDP:
+
+        - bytes_sent: input bytes of every all-gather (this rank's parameter
+          shards, in param dtype) and reduce-scatter (this rank's full unsharded
+          gradients, in reduce dtype) of the step.
+        - comm_s: wall time with at least one collective in flight (launch to
+          completion, forward and backward).
+        - comm_wait_s: time the training thread spent blocked on collectives
+          launched after the model's forward returned, i.e. in backward
+          (backward all-gathers when resharded after forward, and all
+          reduce-scatters), measured in the collective call (sync ops) or
+          inside Work.wait() (async ops). FSDP has no step after backward
+          (`synchronize` is a no-op), so that part is ~0.
+        - backward_s: backward wall time minus that blocked time: backward
+          compute (plus FSDP's local copy-in/copy-out and bookkeeping).
+        - forward_s: still INCLUDES the time blocked on forward all-gathers;
+          CommStats has no field to move it out (see the module report).
+
+        On CUDA/NCCL a synchronous collective only enqueues work, so blocked
+        time (and the recorded completion) is host time, not GPU time; it
+        understates communication there.
+        """
+        stats = self.comm.pop(backward_end_s)
+        blocked = self._timer.pop_blocked()
+        in_backward = sum(s for launch_s, s in blocked if self._forward_end_s <= launch_s <= backward_end_s)
+        self._prepare_rank0_eval()
+        self._step += 1
+        return CommStats(stats.bytes_sent, stats.total_s, in_backward)
+
+    def finish(self, model: nn.Module) -> None:
+        self._reshard_after_eval()  # the final evaluation left the parameters gathered
+
+    # --- forward hooks --------------------------------------------------------
+
+    def _before_forward(self, _module: nn.Module, _args: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward (rank 0's evaluation runs under no_grad)
+            self._reshard_after_eval()
+
+    def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self._forward_end_s = clock()
+
+    # --- evaluation -----------------------------------------------------------
+    # The loop evaluates on rank 0 alone while the other ranks wait at a
+    # barrier. A sharded model cannot run forward on one rank (each unit's
+    # all-gather needs every rank), so before an evaluation all ranks gather
+    # the full parameters together (torch's documented way: no resharding
+    # after forward for evals) and rank 0 then evaluates without communicating.
+    # The next training forward (or `finish`, after the last evaluation) frees
+    # them again. These all-gathers belong to no step and are not counted.
+
+    def _prepare_rank0_eval(self) -> None:
+        from ddlscope.runtime.loop import _eval_due
+
+        if self.ctx.world_size == 1 or not _eval_due(self._step, self.ctx.experiment.workload):
+            return
+        for unit in self._units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        self.comm.pop(0.0)
+        self._timer.pop_blocked()
+        self._unsharded_for_eval = True
+
+    def _reshard_after_eval(self) -> None:
+        if not self._unsharded_for_eval:
+            return
+        for unit in self._units:
+            unit.reshard()
+            unit.set_reshard_after_forward(self.spec.reshard_after_forward and unit is not self._root, recurse=False)
+        self._unsharded_for_eval = False
+
+
+def mixed_precision_policy(mode: str, device: torch.device) -> MixedPrecisionPolicy:
+    if mode == "none":
+        return MixedPrecisionPolicy()
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RuntimeError(
+            f"strategy.mixed_precision = 'bf16': {torch.cuda.get_device_name(device)} does not support bf16; "
+            "use mixed_precision = 'none'")
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _block_units(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks if the model has them, else each top-level child that holds parameters."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        return list(blocks)
+    return [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+# --- timed collectives ------------------------------------------------------
+
+
+class _CollectiveTimer:
+    """Records each FSDP collective in the strategy's CommRecorder, plus how
+    long the calling thread was blocked on it (its exposed communication)."""
+
+    def __init__(self, recorder: CommRecorder):
+        self.recorder = recorder
+        self._blocked: list[tuple[float, float]] = []  # (launch time, seconds the caller was blocked)
+
+    def run(self, kind: str, payload_bytes: int, group: dist.ProcessGroup, async_op: bool,
+            start: Callable[[bool], dist.Work | None]) -> dist.Work | None:
+        pending = self.recorder.launched(payload_bytes, kind, group.size())
+        work = start(async_op)
+        if async_op and work is not None:
+            return _TimedWork(work, self, pending)
+        self.finish(pending, blocked_since_s=pending.launch_s)  # a sync op has completed when it returns
+        return work
+
+    def finish(self, pending: Pending, blocked_since_s: float) -> None:
+        """The one place where a collective completes, as the training thread sees it.
+
+        `CommRecorder.completed` waits out what an emulated network link still
+        owes (network emulation) and records the interval; the caller stays
+        blocked until then, so emulated delay counts as exposed time too.
+        """
+        self.recorder.completed(pending)
+        self._blocked.append((pending.launch_s, clock() - blocked_since_s))
+
+    def pop_blocked(self) -> list[tuple[float, float]]:
+        blocked, self._blocked = self._blocked, []
+        return blocked
+
+
+class _TimedWork(dist.Work):
+    """An async collective's Work whose wait() records completion and the time blocked in it."""
+
+    def __init__(self, work: dist.Work, timer: _CollectiveTimer, pending: Pending):
+        super().__init__()
+        self._work, self._timer, self._pending = work, timer, pending
+        self._finished = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        waited_from_s = clock()
+        done = self._work.wait() if timeout is None else self._work.wait(timeout)
+        if not self._finished:
+            self._finished = True
+            self._timer.finish(self._pending, blocked_since_s=waited_from_s)
+        return done
+
+    def is_completed(self) -> bool:
+        return self._finished
+
+    def get_future(self) -> torch.futures.Future:
+        return self._timer.recorder.complete_future(self._work.get_future(), self._pending)
+
+
+class _TimedAllGather(DefaultAllGather):
+    def __init__(self, timer: _CollectiveTimer):
+        self._timer = timer
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        # payload: this rank's shard of the unit's parameters (in param dtype)
+        return self._timer.run(
+            "all_gather", input_tensor.nbytes, group, async_op,
+            lambda a: super(_TimedAllGather, self).__call__(output_tensor, input_tensor, group, a))
+
+
+class _TimedReduceScatter(DefaultReduceScatter):
+    def __init__(self, timer: _CollectiveTimer):
+        self._timer = timer
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> dist.Work | None:
+        # payload: the unit's full unsharded gradients (in reduce dtype)
+        return self._timer.run(
+            "reduce_scatter", input_tensor.nbytes, group, async_op,
+            lambda a: super(_TimedReduceScatter, self).__call__(output_tensor, input_tensor, group, op, a))

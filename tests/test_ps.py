@@ -1,0 +1,52 @@
+"""Parameter-server family: equivalences and staleness, through the real launcher."""
+
+import sqlite3
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 6
+
+
+def _train(cli, tmp_path, strategy: str, out: str, *extra: str) -> dict:
+    result = cli("run", "--workload", "mlp-digits", "--strategy", strategy, "--world-size", "2",
+                 "--steps", str(STEPS), "--batch-size", "32", "--seed", "5", "--set", "workload.lr=0.2",
+                 "--set", f"save_model_path=\"{tmp_path / out}\"", "--quiet", *extra, timeout_s=180)
+    assert result.returncode == 0, result.stderr
+    return torch.load(tmp_path / out)
+
+
+def _assert_same(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0)
+
+
+def test_ps_sync_matches_ddp_with_momentum_and_two_servers(cli, tmp_path):
+    momentum = ("--set", "workload.momentum=0.9")
+    ddp = _train(cli, tmp_path, "ddp", "ddp.pt", *momentum)
+    _assert_same(_train(cli, tmp_path, "ps-sync", "ps1.pt", *momentum), ddp)
+    _assert_same(_train(cli, tmp_path, "ps-sync", "ps2.pt", *momentum, "--set", "strategy.servers=2"), ddp)
+
+
+def test_ssp_with_bound_zero_is_synchronous(cli, tmp_path):
+    sync = _train(cli, tmp_path, "ps-sync", "sync.pt")
+    _assert_same(_train(cli, tmp_path, "ssp", "ssp0.pt", "--set", "strategy.staleness=0"), sync)
+
+
+def test_staleness_is_zero_for_sync_and_positive_for_async_under_a_straggler(cli, tmp_path):
+    straggler = ("--set", "cluster.slowdown=[1, 3]")
+    for strategy in ("ps-sync", "ps-async"):
+        assert cli("run", "--strategy", strategy, "--world-size", "2", "--steps", "20", "--quiet", *straggler,
+                   timeout_s=180).returncode == 0
+    with sqlite3.connect(tmp_path / "ddlscope.db") as conn:
+        rows = conn.execute("SELECT r.strategy, AVG(u.staleness), COUNT(*), MIN(u.queue_s), MIN(u.apply_s)"
+                            " FROM updates u JOIN runs r ON r.id = u.run_id GROUP BY r.strategy").fetchall()
+        server_memory = conn.execute("SELECT COUNT(*) FROM memory WHERE rank = 2 AND category = 'optimizer'").fetchone()
+    stats = {name: (mean, count, q, a) for name, mean, count, q, a in rows}
+    assert stats["ps-sync"][0] == 0 and stats["ps-sync"][1] == 2 * 20
+    assert stats["ps-async"][0] > 0 and stats["ps-async"][1] == 2 * 20
+    assert all(s[2] >= 0 and s[3] > 0 for s in stats.values())
+    assert server_memory == (2,)  # the server (rank 2) records its own memory in both runs
