@@ -134,6 +134,7 @@ class ClusterSpec(Spec):
     threads_per_rank: int = Field(1, ge=1, description="intra-op threads per rank (1 avoids oversubscription)")
     slowdown: list[float] = Field(default_factory=list, description="per-rank compute slowdown factors (>= 1), e.g. [1, 2]")
     start_delay_s: list[float] = Field(default_factory=list, description="per-rank start delays in seconds")
+    jitter: float = Field(0.0, ge=0, le=10, description="random extra compute per step: up to this fraction, uniform, seeded per rank")
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     faults: list[Fault] = Field(default_factory=list, description="injected failures, e.g. [{rank = 1, step = 3}]")
 

@@ -10,6 +10,7 @@ compute phases (what oversubscribed ranks really got to compute).
 from __future__ import annotations
 
 import os
+import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     per_rank = exp.per_rank_batch()
     data_rank = ctx.rank if exp.strategy.splits_global_batch else 0
     slowdown = exp.cluster.slowdown_of(ctx.rank)
+    jitter = random.Random(exp.seed * 7919 + ctx.rank) if exp.cluster.jitter else None
     memory_step = min(1, spec.steps - 1)  # step 0 pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
@@ -80,9 +82,10 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
             loss = task.loss_fn(model(x), y)
             device_sync(device)
             t2 = clock()
-            if slowdown > 1:
+            stretch = slowdown * (1 + exp.cluster.jitter * jitter.random()) if jitter else slowdown
+            if stretch > 1:
                 # A straggler computes slower: stretch its forward and (estimated) backward time.
-                time.sleep((slowdown - 1) * ((t2 - t1) + (backward_compute_s or 2 * (t2 - t1))))
+                time.sleep((stretch - 1) * ((t2 - t1) + (backward_compute_s or 2 * (t2 - t1))))
                 t2 = clock()
             loss.backward()
             device_sync(device)

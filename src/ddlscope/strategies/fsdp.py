@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from ddlscope.specs import StrategySpec, remember_spec_class
+from ddlscope.specs import ConfigError, StrategySpec, remember_spec_class
 from ddlscope.strategies import STRATEGIES
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.strategies.comm import CommRecorder, CommStats, Pending
@@ -163,7 +163,7 @@ def mixed_precision_policy(mode: str, device: torch.device) -> MixedPrecisionPol
     if mode == "none":
         return MixedPrecisionPolicy()
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeError(
+        raise ConfigError(
             f"strategy.mixed_precision = 'bf16': {torch.cuda.get_device_name(device)} does not support bf16; "
             "use mixed_precision = 'none'")
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

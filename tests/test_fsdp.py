@@ -1,0 +1,168 @@
+"""`fsdp` (FSDP2 fully_shard): same training as DDP, sharded model state, recorded communication."""
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import run_cli
+from ddlscope.specs import ConfigError
+from ddlscope.strategies.fsdp import FSDPSpec, _block_units, mixed_precision_policy
+from ddlscope.workloads import WORKLOADS
+
+STEPS = 5
+# Tiny GPT; every dim-0 size is even, so FSDP shards without padding on 2 ranks.
+GPT = ("--workload", "gpt-synthetic", "--set", "workload.hidden=32", "--set", "workload.seq_len=16",
+       "--batch-size", "8", "--seed", "1", "--set", 'workload.optimizer="adamw"')
+
+
+def _query(folder: Path, sql: str, *params: object) -> list[tuple]:
+    with sqlite3.connect(folder / "ddlscope.db") as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _run(folder: Path, *args: str, timeout_s: float = 120) -> int:
+    """Run one experiment in `folder`; return its run id."""
+    result = run_cli("run", "--quiet", *args, cwd=folder, timeout_s=timeout_s)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return _query(folder, "SELECT MAX(id) FROM runs")[0][0]
+
+
+@pytest.fixture(scope="module")
+def ddp_and_fsdp(tmp_path_factory):
+    """The same 2-rank training under ddp and fsdp; evaluations every 2 steps run between steps."""
+    folder = tmp_path_factory.mktemp("fsdp_vs_ddp")
+    common = (*GPT, "--world-size", "2", "--steps", str(STEPS),
+              "--set", "workload.eval_every=2", "--set", "workload.eval_batches=1")
+    ddp = _run(folder, *common, "--strategy", "ddp", "--set", f'save_model_path="{folder / "ddp.pt"}"')
+    fsdp = _run(folder, *common, "--strategy", "fsdp", "--set", f'save_model_path="{folder / "fsdp.pt"}"',
+                "--set", f'checkpoint_dir="{folder / "checkpoint"}"')
+    return folder, ddp, fsdp
+
+
+def _gpt_model():
+    workload = WORKLOADS.get("gpt-synthetic")
+    return workload.build(workload.spec_class(name="gpt-synthetic", hidden=32, seq_len=16), 1).model
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_fsdp_trains_like_ddp(ddp_and_fsdp):
+    folder, ddp, fsdp = ddp_and_fsdp
+    per_step = "SELECT step, AVG(loss), COUNT(*) FROM steps WHERE run_id=? GROUP BY step ORDER BY step"
+    ddp_losses, fsdp_losses = _query(folder, per_step, ddp), _query(folder, per_step, fsdp)
+    assert [s for s, _, n in fsdp_losses if n == 2] == list(range(STEPS))
+    for (step, ddp_loss, _), (_, fsdp_loss, _) in zip(ddp_losses, fsdp_losses):
+        assert fsdp_loss == pytest.approx(ddp_loss, abs=1e-4), f"step {step}"
+    evals = "SELECT step, loss FROM evals WHERE run_id=? ORDER BY step"
+    assert [s for s, _ in _query(folder, evals, fsdp)] == [1, 3, 4]
+    for (_, ddp_loss), (_, fsdp_loss) in zip(_query(folder, evals, ddp), _query(folder, evals, fsdp)):
+        assert fsdp_loss == pytest.approx(ddp_loss, abs=1e-4)
+
+    ddp_state, fsdp_state = torch.load(folder / "ddp.pt"), torch.load(folder / "fsdp.pt")
+    assert fsdp_state.keys() == ddp_state.keys()
+    for name, value in ddp_state.items():
+        assert not hasattr(fsdp_state[name], "to_local"), f"{name} saved as a shard"
+        torch.testing.assert_close(fsdp_state[name], value, atol=1e-4, rtol=0)
+    # Training moved the parameters, so the comparison is not trivially true.
+    initial = _gpt_model().state_dict()
+    assert max((fsdp_state[n] - initial[n]).abs().max().item() for n in initial) > 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_fsdp_records_every_collective(ddp_and_fsdp):
+    folder, _, fsdp = ddp_and_fsdp
+    rows = _query(folder, "SELECT bytes_sent, comm_s, comm_wait_s, backward_s FROM steps WHERE run_id=?", fsdp)
+    assert len(rows) == 2 * STEPS
+    model = _gpt_model()
+    params = sum(p.numel() for p in model.parameters())
+    block_params = sum(p.numel() for p in model.blocks.parameters())
+    # fp32, 2 ranks: forward all-gathers every shard (half of each unit), backward gathers
+    # the blocks again (resharded after forward; the root is kept), reduce-scatter sends
+    # each unit's full gradients.
+    expected = 4 * (params // 2 + block_params // 2 + params)
+    for bytes_sent, comm_s, comm_wait_s, backward_s in rows:
+        assert bytes_sent == expected
+        assert comm_s > 0
+        assert 0 < comm_wait_s <= comm_s + 0.05  # backward's blocked collectives (+ a no-op synchronize)
+        assert backward_s > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_fsdp_writes_a_dcp_checkpoint_of_the_final_model(ddp_and_fsdp):
+    import torch.distributed.checkpoint as dcp
+
+    folder, _, _ = ddp_and_fsdp
+    checkpoint = folder / "checkpoint"
+    assert (checkpoint / ".metadata").exists() and len(list(checkpoint.glob("*.distcp"))) == 2
+    state = {"model": {k: torch.zeros_like(v) for k, v in _gpt_model().state_dict().items()}}
+    dcp.load(state, checkpoint_id=str(checkpoint))  # one process reads both ranks' shards
+    final = torch.load(folder / "fsdp.pt")
+    for name, value in final.items():
+        torch.testing.assert_close(state["model"][name], value, atol=0, rtol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_fsdp_shards_model_state_over_4_ranks(tmp_path):
+    common = ("--workload", "gpt-synthetic", "--world-size", "4", "--set", "workload.layers=2",
+              "--set", "workload.hidden=256", "--set", "workload.seq_len=16", "--batch-size", "4",
+              "--steps", "2", "--set", 'workload.optimizer="adamw"', "--set", "workload.eval_batches=1")
+    runs = {s: _run(tmp_path, *common, "--strategy", s) for s in ("ddp", "fsdp")}
+    peak = {}
+    for strategy, run_id in runs.items():
+        per_rank = _query(tmp_path, "SELECT rank, SUM(bytes) FROM memory WHERE run_id=? AND category IN "
+                                    "('parameters', 'gradients', 'optimizer') GROUP BY rank", run_id)
+        assert len(per_rank) == 4
+        peak[strategy] = max(b for _, b in per_rank)
+    ratio = peak["fsdp"] / peak["ddp"]
+    print(f"model-state bytes per rank: fsdp {peak['fsdp']} / ddp {peak['ddp']} = {ratio:.3f}")
+    assert ratio <= 0.35
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_fsdp_whole_model_unit_in_bf16(tmp_path):
+    run_id = _run(tmp_path, "--workload", "mlp-digits", "--strategy", "fsdp", "--world-size", "2",
+                  "--steps", "3", "--batch-size", "32", "--set", 'strategy.wrap="model"',
+                  "--set", 'strategy.mixed_precision="bf16"', "--set", "strategy.reshard_after_forward=false")
+    assert _query(tmp_path, "SELECT status FROM runs WHERE id=?", run_id) == [("finished",)]
+    params = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    # one unit, 2 ranks: bf16 all-gather of this rank's half, fp32 reduce-scatter of all gradients
+    expected = 2 * params // 2 + 4 * params
+    rows = _query(tmp_path, "SELECT bytes_sent, loss FROM steps WHERE run_id=?", run_id)
+    assert len(rows) == 6 and all(b == expected and loss == loss for b, loss in rows)
+    (metric,) = _query(tmp_path, "SELECT metric FROM evals WHERE run_id=?", run_id)[0]
+    assert 0 <= metric <= 1
+
+
+# --- in-process: knobs, units, precision policy --------------------------------
+
+
+def test_fsdp_knobs_are_validated():
+    spec = FSDPSpec()
+    assert (spec.reshard_after_forward, spec.wrap, spec.mixed_precision) == (True, "block", "none")
+    with pytest.raises(ValueError):
+        FSDPSpec(mixed_precision="fp16")
+    with pytest.raises(ValueError):
+        FSDPSpec(wrap="layer")
+
+
+def test_block_units_are_transformer_blocks_or_top_level_children():
+    gpt = _gpt_model()
+    assert _block_units(gpt) == list(gpt.blocks)
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert _block_units(mlp) == [mlp[0], mlp[2]]
+
+
+def test_bf16_is_refused_on_a_gpu_without_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(ConfigError, match="bf16"):
+        mixed_precision_policy("bf16", torch.device("cuda", 0))
+    assert mixed_precision_policy("bf16", torch.device("cpu")).param_dtype == torch.bfloat16
+    assert mixed_precision_policy("none", torch.device("cuda", 0)).param_dtype is None
