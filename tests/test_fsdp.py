@@ -1,6 +1,7 @@
 """`fsdp` (FSDP2 fully_shard): same training as DDP, sharded model state, recorded communication."""
 
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ from torch import nn
 
 from conftest import run_cli
 from ddlscope.specs import ConfigError
-from ddlscope.strategies.fsdp import FSDPSpec, _block_units, mixed_precision_policy
+from ddlscope.strategies.comm import CommRecorder, LinkModel
+from ddlscope.strategies.fsdp import (
+    FSDPSpec, _block_units, _CollectiveTimer, _TimedAllGather, _TimedReduceScatter, _TimedWork, mixed_precision_policy)
 from ddlscope.workloads import WORKLOADS
 
 STEPS = 5
@@ -75,7 +78,7 @@ def test_fsdp_trains_like_ddp(ddp_and_fsdp):
 @pytest.mark.timeout(150)
 def test_fsdp_records_every_collective(ddp_and_fsdp):
     folder, _, fsdp = ddp_and_fsdp
-    rows = _query(folder, "SELECT bytes_sent, comm_s, comm_wait_s, backward_s FROM steps WHERE run_id=?", fsdp)
+    rows = _query(folder, "SELECT step, bytes_sent, comm_s, comm_wait_s, backward_s FROM steps WHERE run_id=?", fsdp)
     assert len(rows) == 2 * STEPS
     model = _gpt_model()
     params = sum(p.numel() for p in model.parameters())
@@ -84,15 +87,19 @@ def test_fsdp_records_every_collective(ddp_and_fsdp):
     # the blocks again (resharded after forward; the root is kept), reduce-scatter sends
     # each unit's full gradients.
     expected = 4 * (params // 2 + block_params // 2 + params)
-    for bytes_sent, comm_s, comm_wait_s, backward_s in rows:
-        assert bytes_sent == expected
+    # All ranks evaluate together after steps 1 and 3; the root is not resharded after
+    # a forward, so the training forward right after an evaluation skips its all-gather.
+    after_eval = expected - 4 * ((params - block_params) // 2)
+    for step, bytes_sent, comm_s, comm_wait_s, backward_s in rows:
+        assert bytes_sent == (after_eval if step in (2, 4) else expected), f"step {step}"
         assert comm_s > 0
-        assert 0 < comm_wait_s <= comm_s + 0.05  # backward's blocked collectives (+ a no-op synchronize)
+        assert 0 < comm_wait_s <= comm_s + 0.05  # blocked collectives (+ a no-op synchronize)
         assert backward_s > 0
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_fsdp_writes_a_dcp_checkpoint_of_the_final_model(ddp_and_fsdp):
     import torch.distributed.checkpoint as dcp
 
@@ -166,3 +173,29 @@ def test_bf16_is_refused_on_a_gpu_without_bf16(monkeypatch):
         mixed_precision_policy("bf16", torch.device("cuda", 0))
     assert mixed_precision_policy("bf16", torch.device("cpu")).param_dtype == torch.bfloat16
     assert mixed_precision_policy("none", torch.device("cuda", 0)).param_dtype is None
+
+
+def test_timed_collectives_record_sync_and_async_ops():
+    """Sync ops complete when they return; an async op completes in its Work's wait(),
+    after what the emulated link still owes (here 20 ms of latency)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        recorder = CommRecorder(LinkModel(alpha_s=0.02, bandwidth_bytes_per_s=1e12), ranks=1)
+        timer = _CollectiveTimer(recorder)
+        group = dist.group.WORLD
+        shard, full = torch.ones(8), torch.zeros(8)
+        assert _TimedAllGather(timer)(full, shard, group) is None
+        work = _TimedReduceScatter(timer)(torch.zeros(8), full, group, dist.ReduceOp.SUM, async_op=True)
+        assert isinstance(work, _TimedWork) and isinstance(work, dist.Work)
+        began = time.perf_counter()
+        work.wait()
+        assert time.perf_counter() - began >= 0.015 and work.is_completed()
+        blocked = timer.pop_blocked()
+        assert len(blocked) == 2 and all(s >= 0 for _, s in blocked)
+        stats = recorder.pop(time.perf_counter())
+        assert stats.bytes_sent == 2 * 8 * 4 and stats.total_s >= 0.02
+        torch.testing.assert_close(full, shard)
+    finally:
+        dist.destroy_process_group()

@@ -109,15 +109,16 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         comm = strategy.comm_stats(backward_end_s=t3)
         backward_compute_s = (t3 - t2) - comm.exposed_in_backward_s
         writer.write(
-            "step", step=step, t_s=t0 - start, data_s=t1 - t0, forward_s=t2 - t1,
-            backward_s=backward_compute_s, comm_wait_s=comm.exposed_in_backward_s + (t4 - t3),
+            "step", step=step, t_s=t0 - start, data_s=t1 - t0, forward_s=(t2 - t1) - comm.exposed_in_forward_s,
+            backward_s=backward_compute_s,
+            comm_wait_s=comm.exposed_in_forward_s + comm.exposed_in_backward_s + (t4 - t3),
             optimizer_s=t5 - t4, step_s=t5 - t0, comm_s=comm.total_s, compute_cpu_s=cpu1 - cpu0,
             samples=len(x), loss=loss_value, bytes_sent=comm.bytes_sent,
         )
         if on_step:
             on_step(step)
         if _eval_due(step, spec):
-            eval_s += _evaluate(task, model, ctx, writer, step, clock() - start - eval_s)
+            eval_s += _evaluate(task, model, strategy, ctx, writer, step, clock() - start - eval_s)
 
     train_s = clock() - start - eval_s
     strategy.finish(model)
@@ -139,16 +140,22 @@ def _eval_due(step: int, spec: WorkloadSpec) -> bool:
     return last or (spec.eval_every > 0 and (step + 1) % spec.eval_every == 0)
 
 
-def _evaluate(task: Task, model: nn.Module, ctx: RunContext, writer: RowWriter, step: int, wall_s: float) -> float:
-    """Rank 0 evaluates; the others wait at a barrier so eval time stays out of step times."""
+def _evaluate(task: Task, model: nn.Module, strategy: Strategy, ctx: RunContext, writer: RowWriter, step: int,
+              wall_s: float) -> float:
+    """Rank 0 evaluates; the others wait at a barrier so eval time stays out of step times.
+
+    A sharded model needs every rank for a forward pass: then all ranks
+    evaluate together and rank 0 records the result.
+    """
     began = clock()
-    if ctx.rank == 0:
+    if ctx.rank == 0 or strategy.collective_forward:
         module = getattr(model, "module", model)  # DDP wraps the model
         result = task.evaluate(module, ctx.device, ctx.experiment.workload.eval_batches)
-        writer.write("eval", step=step, wall_s=wall_s,
-                     samples_seen=(step + 1) * ctx.experiment.workload.batch_size,
-                     metric_name=result.metric_name, metric=result.metric, loss=result.loss)
+        if ctx.rank == 0:
+            writer.write("eval", step=step, wall_s=wall_s,
+                         samples_seen=(step + 1) * ctx.experiment.workload.batch_size,
+                         metric_name=result.metric_name, metric=result.metric, loss=result.loss)
+        strategy.discard_comm_stats()
     if ctx.workers > 1:
         dist.barrier(group=ctx.worker_group)
     return clock() - began
-

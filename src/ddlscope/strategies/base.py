@@ -43,6 +43,8 @@ class Strategy(ABC):
     description: ClassVar[str]
     # False when the optimizer runs elsewhere (a parameter server): the loop only zeroes gradients.
     local_optimizer: ClassVar[bool] = True
+    # True when a forward pass needs every rank (sharded parameters): all ranks then evaluate together.
+    collective_forward: ClassVar[bool] = False
 
     def __init__(self, spec: StrategySpec, ctx: RunContext):
         self.spec = spec
@@ -79,6 +81,10 @@ class Strategy(ABC):
 
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+
+    def discard_comm_stats(self) -> None:
+        """Forget communication outside training steps (e.g. an evaluation's all-gathers)."""
+        self.comm.pop(0.0)
 
     def describe(self) -> dict[str, Any]:
         return self.spec.model_dump()

@@ -50,6 +50,7 @@ class CommStats:
     bytes_sent: int = 0  # payload this rank contributed to collectives / sent point-to-point
     total_s: float = 0.0  # wall time with at least one collective in flight
     exposed_in_backward_s: float = 0.0  # tail of backward spent only waiting for communication
+    exposed_in_forward_s: float = 0.0  # forward time blocked on communication (e.g. FSDP's all-gathers)
 
 
 @dataclass

@@ -51,6 +51,7 @@ remember_spec_class(FSDPSpec)
 class FSDP(Strategy):
     spec_class = FSDPSpec
     description = "torch FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over all ranks"
+    collective_forward = True  # every unit's all-gather needs all ranks, evaluation included
     spec: FSDPSpec
 
     def __init__(self, spec: StrategySpec, ctx: RunContext):
@@ -59,8 +60,6 @@ class FSDP(Strategy):
         self._root: nn.Module | None = None
         self._units: list[FSDPModule] = []
         self._forward_end_s = float("-inf")
-        self._step = 0
-        self._unsharded_for_eval = False
 
     def wrap(self, model: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
@@ -77,8 +76,6 @@ class FSDP(Strategy):
         for unit in self._units:
             unit.set_custom_all_gather(_TimedAllGather(self._timer))
             unit.set_custom_reduce_scatter(_TimedReduceScatter(self._timer))
-        # Runs before FSDP's own pre-forward hook (both prepend; ours is added last).
-        model.register_forward_pre_hook(self._before_forward, prepend=True)
         model.register_forward_hook(self._after_forward)
         return model
 
@@ -95,16 +92,15 @@ class FSDP(Strategy):
           gradients, in reduce dtype) of the step.
         - comm_s: wall time with at least one collective in flight (launch to
           completion, forward and backward).
-        - comm_wait_s: time the training thread spent blocked on collectives
-          launched after the model's forward returned, i.e. in backward
-          (backward all-gathers when resharded after forward, and all
-          reduce-scatters), measured in the collective call (sync ops) or
+        - comm_wait_s: time the training thread spent blocked on collectives,
+          in forward (all-gathers) and in backward (all-gathers when resharded
+          after forward, and all reduce-scatters), measured in the collective call (sync ops) or
           inside Work.wait() (async ops). FSDP has no step after backward
           (`synchronize` is a no-op), so that part is ~0.
         - backward_s: backward wall time minus that blocked time: backward
           compute (plus FSDP's local copy-in/copy-out and bookkeeping).
-        - forward_s: still INCLUDES the time blocked on forward all-gathers;
-          CommStats has no field to move it out (see the module report).
+        - forward_s: forward wall time minus the time blocked on forward
+          all-gathers, which count in comm_wait_s as well (exposed_in_forward_s).
 
         On CUDA/NCCL a synchronous collective only enqueues work, so blocked
         time (and the recorded completion) is host time, not GPU time; it
@@ -112,51 +108,18 @@ class FSDP(Strategy):
         """
         stats = self.comm.pop(backward_end_s)
         blocked = self._timer.pop_blocked()
+        in_forward = sum(s for launch_s, s in blocked if launch_s < self._forward_end_s)
         in_backward = sum(s for launch_s, s in blocked if self._forward_end_s <= launch_s <= backward_end_s)
-        self._prepare_rank0_eval()
-        self._step += 1
-        return CommStats(stats.bytes_sent, stats.total_s, in_backward)
+        return CommStats(stats.bytes_sent, stats.total_s, in_backward, in_forward)
 
-    def finish(self, model: nn.Module) -> None:
-        self._reshard_after_eval()  # the final evaluation left the parameters gathered
+    def discard_comm_stats(self) -> None:
+        super().discard_comm_stats()
+        self._timer.pop_blocked()
 
     # --- forward hooks --------------------------------------------------------
 
-    def _before_forward(self, _module: nn.Module, _args: Any) -> None:
-        if torch.is_grad_enabled():  # a training forward (rank 0's evaluation runs under no_grad)
-            self._reshard_after_eval()
-
     def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         self._forward_end_s = clock()
-
-    # --- evaluation -----------------------------------------------------------
-    # The loop evaluates on rank 0 alone while the other ranks wait at a
-    # barrier. A sharded model cannot run forward on one rank (each unit's
-    # all-gather needs every rank), so before an evaluation all ranks gather
-    # the full parameters together (torch's documented way: no resharding
-    # after forward for evals) and rank 0 then evaluates without communicating.
-    # The next training forward (or `finish`, after the last evaluation) frees
-    # them again. These all-gathers belong to no step and are not counted.
-
-    def _prepare_rank0_eval(self) -> None:
-        from ddlscope.runtime.loop import _eval_due
-
-        if self.ctx.world_size == 1 or not _eval_due(self._step, self.ctx.experiment.workload):
-            return
-        for unit in self._units:
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.unshard()
-        self.comm.pop(0.0)
-        self._timer.pop_blocked()
-        self._unsharded_for_eval = True
-
-    def _reshard_after_eval(self) -> None:
-        if not self._unsharded_for_eval:
-            return
-        for unit in self._units:
-            unit.reshard()
-            unit.set_reshard_after_forward(self.spec.reshard_after_forward and unit is not self._root, recurse=False)
-        self._unsharded_for_eval = False
 
 
 def mixed_precision_policy(mode: str, device: torch.device) -> MixedPrecisionPolicy:
@@ -229,7 +192,7 @@ class _TimedWork(dist.Work):
         return done
 
     def is_completed(self) -> bool:
-        return self._finished
+        return self._finished or (self._work.is_completed() and clock() >= self._pending.ready_s)
 
     def get_future(self) -> torch.futures.Future:
         return self._timer.recorder.complete_future(self._work.get_future(), self._pending)

@@ -1,0 +1,204 @@
+"""Compute model: FLOPs (closed form) and the time one GPU takes for them.
+
+Time = sum over a layer's operations of
+    GEMM FLOPs / (peak x efficiency(M, N, K))        tensor-core work
+  + attention-core time (FlashAttention or unfused batched GEMMs)
+  + bytes moved by element-wise ops / achieved memory bandwidth
+  + kernels x per-kernel launch gap
+with efficiency(M, N, K) = kernel_fraction x sustained_fraction x sat(M) sat(N) sat(K),
+sat(x) = x / (x + half_dim): a GEMM dimension much larger than the tensor-core
+tile costs nothing, one tile wide costs half (tile padding and the last,
+partly filled wave of thread blocks). The constants are per device, in
+catalogue.toml, with their sources. Everything here is element-wise over
+numpy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ddlscope.predict.catalogue import Device
+from ddlscope.predict.specs import ModelSpec
+
+# Kernels per layer in an eager framework (layer norms, GEMMs, attention,
+# bias/activation/dropout/residual fusions, collectives): about a dozen
+# forward, twice that backward. Only their launch gaps are charged here.
+KERNELS_FORWARD_PER_LAYER = 12
+KERNELS_BACKWARD_PER_LAYER = 24
+
+# Bytes read + written per token-hidden element by the element-wise ops of
+# one layer's forward pass (16-bit activations): layer norm 2 x 4 (read +
+# write), bias+dropout+residual 2 x 7 (two reads, a write, a 1-byte mask),
+# i.e. 22; the bias+GeLU pair reads and writes the f-wide MLP activation
+# (4 f/h per element). The unfused attention core moves 13 bytes per score
+# (a s^2 b of them): the batched GEMM writes them (2), softmax reads and
+# writes (4), dropout reads, writes and stores a mask (5), the second GEMM
+# reads them (2). Backward moves about twice the forward traffic.
+ELEMENTWISE_REPLICATED_BYTES = 22
+ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO = 4
+UNFUSED_ATTENTION_BYTES_PER_SCORE = 13
+BACKWARD_TRAFFIC_RATIO = 2.0
+# FlashAttention-2's backward does 2.5x the forward's matmul work (it
+# recomputes the scores); causal masking lets it skip half the blocks.
+FLASH_BACKWARD_FLOPS_RATIO = 2.5
+CAUSAL_WORK_FRACTION = 0.5
+# Vocab-parallel cross entropy on fp32 logits: ~14 bytes per logit forward, as much backward.
+CROSS_ENTROPY_BYTES_PER_LOGIT = 28
+
+
+# ---------------------------------------------------------------------------- FLOPs
+def megatron_flops_per_iteration(batch, seq, layers, hidden, vocab, recompute: str = "full"):
+    """Narayanan et al. 2021 as REFERENCE.md states it: 96 B s l h^2 (1 + s/6h + V/16lh) with full
+    recomputation; "without recomputation the leading 96 becomes 72". Selective recomputation
+    (Korthikanti et al. 2022) re-runs only the attention core's forward, adding 4 B s^2 l h.
+
+    (Taken literally, 72 x V/16lh undercounts the logits GEMM, 6 B s h V, by a quarter: 0.05% of
+    a 530B model's FLOPs. `model_flops_per_iteration` counts it exactly.)
+    """
+    b, s, l, h, v = (np.asarray(x, dtype=float) for x in (batch, seq, layers, hidden, vocab))
+    lead = 96.0 if recompute == "full" else 72.0
+    flops = lead * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    if recompute == "selective":
+        flops = flops + 4 * b * s**2 * l * h
+    return flops
+
+
+def model_flops_per_iteration(model: ModelSpec, batch=None):
+    """FLOPs of one step without recomputation (MFU's numerator, PaLM's definition), any MLP width."""
+    b = np.asarray(model.global_batch if batch is None else batch, dtype=float)
+    s, l, h, f, v = model.seq, model.layers, model.hidden, model.ffn, model.vocab
+    dense_per_token = 2 * (4 * h * h + 2 * h * f)  # forward GEMM FLOPs per token per layer
+    attention_per_seq = 4 * s * s * h  # QK^T and AV, forward, per layer
+    forward = b * (s * l * dense_per_token + l * attention_per_seq + 2 * s * h * v)
+    return 3 * forward
+
+
+def hardware_flops_per_iteration(model: ModelSpec, recompute_code, batch=None):
+    """FLOPs actually executed: model FLOPs plus the forward work recomputation repeats.
+
+    `recompute_code`: 0 none, 1 selective (attention core), 2 full (every layer's forward).
+    """
+    b = np.asarray(model.global_batch if batch is None else batch, dtype=float)
+    s, l, h, f = model.seq, model.layers, model.hidden, model.ffn
+    layer_forward = b * l * (s * 2 * (4 * h * h + 2 * h * f) + 4 * s * s * h)
+    attention_forward = b * l * 4 * s * s * h
+    code = np.asarray(recompute_code)
+    extra = np.where(code == 2, layer_forward, np.where(code == 1, attention_forward, 0.0))
+    return model_flops_per_iteration(model, b) + extra
+
+
+# ---------------------------------------------------------------------------- efficiency curve
+def dimension_saturation(x, half_dim: float):
+    x = np.asarray(x, dtype=float)
+    return x / (x + half_dim)
+
+
+def gemm_efficiency(m, n, k, device: Device):
+    """Achieved fraction of peak for an (m x k) @ (k x n) GEMM inside a training job."""
+    e = device.efficiency
+    d = e.gemm_half_dim
+    return (e.gemm_kernel_fraction * e.sustained_fraction
+            * dimension_saturation(m, d) * dimension_saturation(n, d) * dimension_saturation(k, d))
+
+
+def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0):
+    """Time of `batch` independent (m x k) @ (k x n) GEMMs."""
+    flops = 2.0 * np.asarray(batch, dtype=float) * np.asarray(m, dtype=float) * n * k
+    return flops / (peak_flops * gemm_efficiency(m, n, k, device))
+
+
+def linear_forward_s(tokens, n_out, k_in, device: Device, peak_flops: float):
+    return gemm_s(tokens, n_out, k_in, device, peak_flops)
+
+
+def linear_backward_s(tokens, n_out, k_in, device: Device, peak_flops: float):
+    """Input gradient (tokens x n_out) @ (n_out x k_in) plus weight gradient (k_in x tokens) @ (tokens x n_out)."""
+    return gemm_s(tokens, k_in, n_out, device, peak_flops) + gemm_s(k_in, n_out, tokens, device, peak_flops)
+
+
+def memory_bound_s(bytes_moved, device: Device):
+    return np.asarray(bytes_moved, dtype=float) / (device.memory_bandwidth_bytes_per_s
+                                                   * device.efficiency.memory_fraction)
+
+
+# ---------------------------------------------------------------------------- one transformer layer
+def layer_gemm_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
+    """(forward, backward) seconds of the four weight GEMMs of one layer on one tensor-parallel rank."""
+    tokens = np.asarray(micro_batch, dtype=float) * model.seq
+    tp = np.asarray(tp, dtype=float)
+    h, f = model.hidden, model.ffn
+    shapes = ((3 * h / tp, h),   # QKV, column-parallel
+              (h, h / tp),       # attention output projection, row-parallel
+              (f / tp, h),       # MLP up, column-parallel
+              (h, f / tp))       # MLP down, row-parallel
+    forward = sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
+    backward = sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
+    return forward, backward
+
+
+def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
+    """(forward, backward) seconds of softmax(QK^T)V for the heads on one tensor-parallel rank."""
+    b = np.asarray(micro_batch, dtype=float)
+    heads_here = model.heads / np.asarray(tp, dtype=float)
+    s, d = model.seq, model.head_dim
+    if model.attention == "flash":
+        work = CAUSAL_WORK_FRACTION if model.causal else 1.0
+        forward_flops = 4.0 * b * heads_here * s * s * d * work
+        rate = peak_flops * device.efficiency.flash_attention_fraction * device.efficiency.sustained_fraction
+        return forward_flops / rate, FLASH_BACKWARD_FLOPS_RATIO * forward_flops / rate
+    # Unfused: QK^T and AV as batched GEMMs over all s x s scores (no causal skipping),
+    # with the score tensor streamed through memory by softmax and dropout.
+    n_mats = b * heads_here
+    forward_gemm = gemm_s(s, s, d, device, peak_flops, n_mats) + gemm_s(s, d, s, device, peak_flops, n_mats)
+    backward_gemm = (gemm_s(s, d, s, device, peak_flops, n_mats) + gemm_s(d, s, s, device, peak_flops, n_mats)
+                     + gemm_s(s, s, d, device, peak_flops, n_mats) + gemm_s(s, d, s, device, peak_flops, n_mats))
+    score_bytes = UNFUSED_ATTENTION_BYTES_PER_SCORE * n_mats * s * s
+    forward = forward_gemm + memory_bound_s(score_bytes, device)
+    backward = backward_gemm + memory_bound_s(BACKWARD_TRAFFIC_RATIO * score_bytes, device)
+    return forward, backward
+
+
+def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parallel, device: Device):
+    """(forward, backward) seconds of the memory-bound ops around the GEMMs of one layer.
+
+    Without sequence parallelism the layer norms, dropouts and residual adds
+    run on the full activation on every tensor-parallel rank; with it each
+    rank handles 1/tp of the sequence (Korthikanti et al. 2022).
+    """
+    tp = np.asarray(tp, dtype=float)
+    elements = np.asarray(micro_batch, dtype=float) * model.seq * model.hidden * (model.activation_bytes / 2)
+    replicated = ELEMENTWISE_REPLICATED_BYTES * elements / np.where(np.asarray(sequence_parallel), tp, 1.0)
+    mlp = ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO * (model.ffn / model.hidden) * elements / tp
+    forward_bytes = replicated + mlp
+    return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
+
+
+def kernel_gaps_s(device: Device):
+    gap = device.efficiency.kernel_overhead_s
+    return KERNELS_FORWARD_PER_LAYER * gap, KERNELS_BACKWARD_PER_LAYER * gap
+
+
+def output_layer_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
+    """(forward, backward) seconds of the last stage's logits GEMM (vocab-parallel) and cross entropy."""
+    tokens = np.asarray(micro_batch, dtype=float) * model.seq
+    vocab_here = model.vocab / np.asarray(tp, dtype=float)
+    forward = linear_forward_s(tokens, vocab_here, model.hidden, device, peak_flops)
+    backward = linear_backward_s(tokens, vocab_here, model.hidden, device, peak_flops)
+    loss_bytes = CROSS_ENTROPY_BYTES_PER_LOGIT / 2 * tokens * vocab_here
+    return forward + memory_bound_s(loss_bytes, device), backward + memory_bound_s(loss_bytes, device)
+
+
+def embedding_times_s(model: ModelSpec, micro_batch, device: Device):
+    """(forward, backward) seconds of the first stage's lookup, position add and dropout."""
+    elements = np.asarray(micro_batch, dtype=float) * model.seq * model.hidden
+    forward_bytes = 7.0 * elements
+    return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
+
+
+# Adam step, per parameter the rank owns: read fp32 master/momentum/variance (12) and the
+# 16-bit gradient (2), write master/momentum/variance (12) and the 16-bit weight (2).
+OPTIMIZER_BYTES_PER_PARAM = 28
+
+
+def optimizer_step_s(owned_params, device: Device):
+    return memory_bound_s(OPTIMIZER_BYTES_PER_PARAM * np.asarray(owned_params, dtype=float), device)

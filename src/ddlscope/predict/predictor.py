@@ -1,0 +1,112 @@
+"""`predict`: one configuration, checked, scored, and packaged as a `Prediction`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ddlscope.predict.catalogue import Cluster
+from ddlscope.predict.model import ConfigArrays, evaluate
+from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES, ModelSpec, ParallelSpec, Prediction
+from ddlscope.specs import ConfigError
+
+GB = 1e9
+
+
+def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None:
+    """Refuse a configuration that cannot run, with one line naming the field and what is allowed."""
+    for name in ("hidden", "heads", "layers", "seq", "vocab", "global_batch"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"{name} = {getattr(model, name)}: must be >= 1")
+    for name in ("tp", "pp", "dp", "micro_batch", "interleave"):
+        if getattr(parallel, name) < 1:
+            raise ConfigError(f"{name} = {getattr(parallel, name)}: must be >= 1")
+    if model.hidden % model.heads:
+        raise ConfigError(f"hidden = {model.hidden}: must be divisible by heads = {model.heads}")
+    if parallel.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero = {parallel.zero}: allowed: 0, 1, 2, 3")
+    if parallel.recompute not in RECOMPUTE_CODES:
+        raise ConfigError(f"recompute = {parallel.recompute!r}: allowed: {', '.join(RECOMPUTE_CODES)}")
+    if parallel.schedule not in SCHEDULE_CODES:
+        raise ConfigError(f"schedule = {parallel.schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
+    if model.attention not in ("flash", "unfused"):
+        raise ConfigError(f"attention = {model.attention!r}: allowed: flash, unfused")
+    cluster.device.peak(model.dtype)  # raises for a dtype the device has no peak for
+    t, p, d, b, v = parallel.tp, parallel.pp, parallel.dp, parallel.micro_batch, parallel.interleave
+    if t * p * d != cluster.n_gpus:
+        raise ConfigError(f"tp x pp x dp = {t} x {p} x {d} = {t * p * d}: must equal the cluster's "
+                          f"{cluster.n_gpus} GPUs ({cluster})")
+    if model.heads % t:
+        raise ConfigError(f"tp = {t}: must divide heads = {model.heads}")
+    if model.layers % p:
+        raise ConfigError(f"pp = {p}: must divide layers = {model.layers}")
+    if model.global_batch % (d * b):
+        raise ConfigError(f"global_batch = {model.global_batch}: must be divisible by dp x micro_batch = "
+                          f"{d} x {b} = {d * b}")
+    if parallel.sequence_parallel and t == 1:
+        raise ConfigError("sequence_parallel = true: needs tp > 1 (it splits the tensor-parallel group's work)")
+    if v > 1:
+        if p == 1:
+            raise ConfigError(f"interleave = {v}: needs pp > 1")
+        if model.layers % (p * v):
+            raise ConfigError(f"interleave = {v}: layers = {model.layers} must be divisible by pp x interleave = "
+                              f"{p * v}")
+        m = model.global_batch // (d * b)
+        if m % p:
+            raise ConfigError(f"interleave = {v}: the {m} micro-batches per step must be a multiple of pp = {p}")
+        if parallel.schedule != "1f1b":
+            raise ConfigError(f"interleave = {v}: only with schedule = '1f1b'")
+
+
+def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bool = False) -> Prediction:
+    """Validate and score one configuration."""
+    validate(model, parallel, cluster)
+    out = evaluate(model, cluster, ConfigArrays.from_specs([parallel]))
+    return prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+
+
+def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: ParallelSpec, cluster: Cluster,
+                           spot: bool = False) -> Prediction:
+    value = lambda key: float(out[key][i])  # noqa: E731
+    breakdown = {
+        "compute": value("compute_s"),
+        "recompute_included": value("recompute_s"),
+        "tp_comm": value("tp_comm_s"),
+        "pp_p2p": value("pp_p2p_s"),
+        "zero_comm": value("zero_comm_s"),
+        "dp_grad_sync": value("dp_sync_s"),
+        "embedding_sync": value("embedding_sync_s"),
+        "bubble": value("bubble_s"),
+        "optimizer": value("optimizer_s"),
+    }
+    memory = {
+        "parameters": value("parameters_bytes") / GB,
+        "gradients": value("gradients_bytes") / GB,
+        "optimizer": value("optimizer_bytes") / GB,
+        "activations": value("activations_bytes") / GB,
+        "other": value("other_bytes") / GB,
+    }
+    notes = []
+    if not bool(out["fits"][i]):
+        notes.append(f"needs {value('memory_bytes') / GB:.1f} GB per GPU; {cluster.device.key} has "
+                     f"{cluster.device.memory_bytes / GB:.1f} GB")
+    return Prediction(
+        cluster=str(cluster),
+        model=asdict(model),
+        parallel=asdict(parallel),
+        step_time_s=value("step_time_s"),
+        tflops_per_gpu=value("tflops_per_gpu"),
+        mfu=value("mfu"),
+        hfu=value("hfu"),
+        tokens_per_s_per_gpu=value("tokens_per_s_per_gpu"),
+        samples_per_s=value("samples_per_s"),
+        memory_gb_per_gpu=value("memory_bytes") / GB,
+        memory_breakdown_gb=memory,
+        memory_capacity_gb=cluster.device.memory_bytes / GB,
+        fits=bool(out["fits"][i]),
+        energy_kwh_per_step=value("energy_kwh"),
+        cost_usd_per_step=value("spot_cost_usd" if spot else "cost_usd"),
+        breakdown_s=breakdown,
+        micro_batches=int(round(value("micro_batches"))),
+        bubble_fraction=value("bubble_fraction"),
+        notes=notes,
+    )

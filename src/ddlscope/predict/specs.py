@@ -1,0 +1,130 @@
+"""What a prediction is about: the model, how it is parallelised, and what comes out.
+
+Plain frozen dataclasses (the predictor needs no pydantic and no torch). The
+cluster is `ddlscope.predict.catalogue.Cluster`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["1f1b", "gpipe"]
+Attention = Literal["flash", "unfused"]
+
+RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
+SCHEDULE_CODES: dict[str, int] = {"1f1b": 0, "gpipe": 1}
+BYTES_PER_ELEMENT: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT-style decoder-only transformer and the batch it trains with.
+
+    `attention`: "flash" (fused kernel, never materialises the s x s scores;
+    FlashAttention, 2022+) or "unfused" (separate batched GEMMs, softmax and
+    dropout over s x s tensors, as Megatron-LM did in 2020-2021).
+    """
+
+    hidden: int
+    heads: int
+    layers: int
+    seq: int
+    vocab: int
+    global_batch: int
+    ffn_hidden: int = 0  # 0: 4 x hidden
+    attention: Attention = "flash"
+    dtype: str = "bf16"
+    causal: bool = True
+    name: str = "gpt"
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Weights and biases of one layer: QKV + projection, two MLP matrices, two layer norms."""
+        h, f = self.hidden, self.ffn
+        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+
+    @property
+    def params(self) -> int:
+        """All parameters, tied input/output embedding counted once, learned positions."""
+        return self.layers * self.layer_params + self.vocab * self.hidden + self.seq * self.hidden + 2 * self.hidden
+
+    @property
+    def activation_bytes(self) -> int:
+        return BYTES_PER_ELEMENT.get(self.dtype, 2)
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """How one training step is spread over the GPUs.
+
+    tp x pp x dp must equal the cluster's GPU count. `zero`: 0 plain data
+    parallel, 1 optimizer states sharded over dp, 2 + gradients, 3 + parameters
+    (FSDP FULL_SHARD). `interleave`: model chunks per pipeline stage (1 = plain
+    1F1B). `overlap_grad_reduce`: data-parallel gradient reduction runs in
+    buckets behind the last micro-batch's backward (DDP/Megatron-core default).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    zero: int = 0
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    interleave: int = 1
+    schedule: Schedule = "1f1b"
+    overlap_grad_reduce: bool = True
+    bucket_mb: float = 25.0
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", f"mb{self.micro_batch}", f"ZeRO-{self.zero}",
+                 f"recompute={self.recompute}"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.interleave > 1:
+            parts.append(f"v{self.interleave}")
+        if self.schedule != "1f1b":
+            parts.append(self.schedule)
+        return " ".join(parts)
+
+
+@dataclass
+class Prediction:
+    """One configuration's predicted step: time, throughput, memory, energy, cost."""
+
+    cluster: str
+    model: dict[str, Any]
+    parallel: dict[str, Any]
+    step_time_s: float
+    tflops_per_gpu: float  # hardware FLOP/s per GPU, recomputation counted (Megatron-LM's figure)
+    mfu: float  # model FLOPs only / peak (PaLM's definition)
+    hfu: float  # hardware FLOPs (with recomputation) / peak
+    tokens_per_s_per_gpu: float
+    samples_per_s: float
+    memory_gb_per_gpu: float  # peak on the most loaded GPU, 1e9 bytes
+    memory_breakdown_gb: dict[str, float]
+    memory_capacity_gb: float
+    fits: bool
+    energy_kwh_per_step: float
+    cost_usd_per_step: float
+    breakdown_s: dict[str, float]
+    micro_batches: int
+    bubble_fraction: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
