@@ -5,10 +5,11 @@ Time = sum over a layer's operations of
   + attention-core time (FlashAttention or unfused batched GEMMs)
   + bytes moved by element-wise ops / achieved memory bandwidth
   + kernels x per-kernel launch gap
-with efficiency(M, N, K) = kernel_fraction x sustained_fraction x sat(M) sat(N) sat(K),
-sat(x) = x / (x + half_dim): a GEMM dimension much larger than the tensor-core
-tile costs nothing, one tile wide costs half (tile padding and the last,
-partly filled wave of thread blocks). The constants are per device, in
+where a GEMM takes the longer of its tensor-core time, FLOPs / (peak x
+kernel_fraction x sustained_fraction x sat(M) sat(N)), and the time to move
+its operands once (a roofline), with sat(x) = x / (x + half_dim): an output
+dimension much larger than the tensor-core tile costs nothing, one tile wide
+costs half (tile padding and the last, partly filled wave of thread blocks). The constants are per device, in
 catalogue.toml, with their sources. Everything here is element-wise over
 numpy arrays.
 """
@@ -30,13 +31,17 @@ KERNELS_BACKWARD_PER_LAYER = 24
 # one layer's forward pass (16-bit activations): layer norm 2 x 4 (read +
 # write), bias+dropout+residual 2 x 7 (two reads, a write, a 1-byte mask),
 # i.e. 22; the bias+GeLU pair reads and writes the f-wide MLP activation
-# (4 f/h per element). The unfused attention core moves 13 bytes per score
-# (a s^2 b of them): the batched GEMM writes them (2), softmax reads and
-# writes (4), dropout reads, writes and stores a mask (5), the second GEMM
-# reads them (2). Backward moves about twice the forward traffic.
+# (4 f/h per element). Backward moves about twice the forward traffic.
+# The unfused attention core streams the s x s scores (a s^2 b of them per
+# micro-batch) between its two batched GEMMs (whose own reads and writes are
+# in `gemm_s`): fused scale-mask-softmax reads and writes them (4 bytes),
+# dropout reads, writes and stores a 1-byte mask (5); backward, softmax reads
+# the probabilities and the gradient and writes one (6), dropout reads the
+# gradient and the mask and writes (5).
 ELEMENTWISE_REPLICATED_BYTES = 22
 ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO = 4
-UNFUSED_ATTENTION_BYTES_PER_SCORE = 13
+UNFUSED_SCORE_BYTES_FORWARD = 9
+UNFUSED_SCORE_BYTES_BACKWARD = 11
 BACKWARD_TRAFFIC_RATIO = 2.0
 # FlashAttention-2's backward does 2.5x the forward's matmul work (it
 # recomputes the scores); causal masking lets it skip half the blocks.
@@ -94,17 +99,23 @@ def dimension_saturation(x, half_dim: float):
 
 
 def gemm_efficiency(m, n, k, device: Device):
-    """Achieved fraction of peak for an (m x k) @ (k x n) GEMM inside a training job."""
+    """Achieved fraction of peak for the tensor-core work of an (m x k) @ (k x n) GEMM in a training job.
+
+    Only the output dimensions pay tile/wave quantization; a short reduction
+    dimension k shows up instead as low arithmetic intensity (see `gemm_s`).
+    """
     e = device.efficiency
     d = e.gemm_half_dim
-    return (e.gemm_kernel_fraction * e.sustained_fraction
-            * dimension_saturation(m, d) * dimension_saturation(n, d) * dimension_saturation(k, d))
+    return e.gemm_kernel_fraction * e.sustained_fraction * dimension_saturation(m, d) * dimension_saturation(n, d)
 
 
-def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0):
-    """Time of `batch` independent (m x k) @ (k x n) GEMMs."""
-    flops = 2.0 * np.asarray(batch, dtype=float) * np.asarray(m, dtype=float) * n * k
-    return flops / (peak_flops * gemm_efficiency(m, n, k, device))
+def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_element: float = 2.0):
+    """Time of `batch` independent (m x k) @ (k x n) GEMMs: a roofline of tensor-core time and
+    the time to read both operands and write the result once."""
+    m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
+    flops = 2.0 * batch * m * n * k
+    operand_bytes = bytes_per_element * batch * (m * k + k * n + m * n)
+    return np.maximum(flops / (peak_flops * gemm_efficiency(m, n, k, device)), memory_bound_s(operand_bytes, device))
 
 
 def linear_forward_s(tokens, n_out, k_in, device: Device, peak_flops: float):
@@ -152,9 +163,9 @@ def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, pe
     forward_gemm = gemm_s(s, s, d, device, peak_flops, n_mats) + gemm_s(s, d, s, device, peak_flops, n_mats)
     backward_gemm = (gemm_s(s, d, s, device, peak_flops, n_mats) + gemm_s(d, s, s, device, peak_flops, n_mats)
                      + gemm_s(s, s, d, device, peak_flops, n_mats) + gemm_s(s, d, s, device, peak_flops, n_mats))
-    score_bytes = UNFUSED_ATTENTION_BYTES_PER_SCORE * n_mats * s * s
-    forward = forward_gemm + memory_bound_s(score_bytes, device)
-    backward = backward_gemm + memory_bound_s(BACKWARD_TRAFFIC_RATIO * score_bytes, device)
+    scores = n_mats * s * s
+    forward = forward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_FORWARD * scores, device)
+    backward = backward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_BACKWARD * scores, device)
     return forward, backward
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ddlscope.runtime.data import GlobalBatchSampler
@@ -62,6 +61,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
     eval_s = 0.0
+    evaluator = _Evaluator(task, model, strategy, ctx, writer)
     backward_compute_s = 0.0
     loss_value = float("nan")
 
@@ -118,10 +118,11 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         if on_step:
             on_step(step)
         if _eval_due(step, spec):
-            eval_s += _evaluate(task, model, strategy, ctx, writer, step, clock() - start - eval_s)
+            eval_s += evaluator.at(step, clock() - start - eval_s)
 
     train_s = clock() - start - eval_s
     strategy.finish(model)
+    evaluator.evaluate_snapshots()
     memory.update(peak_process_bytes(device))
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
@@ -140,22 +141,50 @@ def _eval_due(step: int, spec: WorkloadSpec) -> bool:
     return last or (spec.eval_every > 0 and (step + 1) % spec.eval_every == 0)
 
 
-def _evaluate(task: Task, model: nn.Module, strategy: Strategy, ctx: RunContext, writer: RowWriter, step: int,
-              wall_s: float) -> float:
-    """Rank 0 evaluates; the others wait at a barrier so eval time stays out of step times.
+class _Evaluator:
+    """Periodic evaluation that leaves the training timeline alone.
 
-    A sharded model needs every rank for a forward pass: then all ranks
-    evaluate together and rank 0 records the result.
+    Rank 0 evaluates without stopping the others: at an intermediate
+    evaluation point it only snapshots the parameters, and evaluates the
+    snapshots after training, with the wall time and samples of the moment
+    they were taken. No barrier, so asynchronous protocols stay asynchronous
+    and synchronous ones are not held up. A sharded model (collective
+    forward) is evaluated by all ranks together, at once.
     """
-    began = clock()
-    if ctx.rank == 0 or strategy.collective_forward:
-        module = getattr(model, "module", model)  # DDP wraps the model
-        result = task.evaluate(module, ctx.device, ctx.experiment.workload.eval_batches)
-        if ctx.rank == 0:
-            writer.write("eval", step=step, wall_s=wall_s,
-                         samples_seen=(step + 1) * ctx.experiment.workload.batch_size,
-                         metric_name=result.metric_name, metric=result.metric, loss=result.loss)
-        strategy.discard_comm_stats()
-    if ctx.workers > 1:
-        dist.barrier(group=ctx.worker_group)
-    return clock() - began
+
+    def __init__(self, task: Task, model: nn.Module, strategy: Strategy, ctx: RunContext, writer: RowWriter):
+        self.task, self.strategy, self.ctx, self.writer = task, strategy, ctx, writer
+        self.module = getattr(model, "module", model)  # DDP wraps the model
+        self.snapshots: list[tuple[int, float, dict[str, torch.Tensor]]] = []
+
+    def at(self, step: int, wall_s: float) -> float:
+        """Evaluate (or snapshot) at this step; returns the seconds it took."""
+        began = clock()
+        last = step == self.ctx.experiment.workload.steps - 1
+        if self.strategy.collective_forward:
+            self._evaluate(step, wall_s)
+            self.strategy.discard_comm_stats()
+        elif self.ctx.rank == 0:
+            if last:
+                self._evaluate(step, wall_s)
+            else:
+                state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+                self.snapshots.append((step, wall_s, state))
+        return clock() - began
+
+    def evaluate_snapshots(self) -> None:
+        if not self.snapshots:
+            return
+        final = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        for step, wall_s, state in self.snapshots:
+            self.module.load_state_dict(state)
+            self._evaluate(step, wall_s)
+        self.module.load_state_dict(final)
+        self.snapshots = []
+
+    def _evaluate(self, step: int, wall_s: float) -> None:
+        spec = self.ctx.experiment.workload
+        result = self.task.evaluate(self.module, self.ctx.device, spec.eval_batches)
+        if self.ctx.rank == 0:
+            self.writer.write("eval", step=step, wall_s=wall_s, samples_seen=(step + 1) * spec.batch_size,
+                              metric_name=result.metric_name, metric=result.metric, loss=result.loss)

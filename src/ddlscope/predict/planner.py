@@ -1,0 +1,155 @@
+"""`plan`: score every valid parallel configuration at once and rank what fits.
+
+The search space is TP x PP x DP x micro-batch x ZeRO stage x recomputation
+x sequence parallelism x interleaving x schedule, built as flat numpy arrays
+(a Cartesian product, then the validity mask) and scored by
+`model.evaluate` in one vectorized call per cluster size: no Python loop per
+configuration.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from ddlscope.predict.catalogue import Cluster, make_cluster
+from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
+from ddlscope.predict.predictor import prediction_from_arrays
+from ddlscope.predict.specs import ModelSpec, Prediction
+from ddlscope.specs import ConfigError
+
+RankBy = Literal["time", "cost"]
+MAX_MICRO_BATCH = 64
+MAX_INTERLEAVE = 8
+
+TERM_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "pp_p2p_s": "PP send/recv",
+               "zero_comm_s": "ZeRO gathers", "dp_sync_s": "DP grad sync", "embedding_sync_s": "embedding sync",
+               "bubble_s": "pipeline bubble", "optimizer_s": "optimizer"}
+
+
+@dataclass
+class PlanRow:
+    rank: int
+    prediction: Prediction
+    why: str
+
+
+@dataclass
+class PlanResult:
+    cluster: str
+    rank_by: str
+    evaluated: int  # valid configurations scored
+    feasible: int  # of those, the ones that fit in memory
+    search_s: float
+    rows: list[PlanRow] = field(default_factory=list)
+
+    @property
+    def configs_per_s(self) -> float:
+        return self.evaluated / self.search_s if self.search_s > 0 else float("inf")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int = MAX_MICRO_BATCH,
+                      max_interleave: int = MAX_INTERLEAVE) -> ConfigArrays:
+    """Every valid configuration for this model on exactly this cluster, as arrays."""
+    n = cluster.n_gpus
+    pairs = [(t, p) for t in divisors(n) if model.heads % t == 0
+             for p in divisors(n // t) if model.layers % p == 0]
+    if not pairs:
+        return _empty()
+    tp = np.array([t for t, _ in pairs])
+    pp = np.array([p for _, p in pairs])
+    micro = np.array([b for b in divisors(model.global_batch) if b <= max_micro_batch])
+    interleave = np.array([v for v in divisors(model.layers) if v <= max_interleave])
+    axes = np.meshgrid(np.arange(len(pairs)), micro, np.arange(4), np.arange(3), np.array([False, True]),
+                       interleave, np.arange(2), indexing="ij")
+    pair_i, b, zero, rc, sp, v, sched = (a.ravel() for a in axes)
+    c = ConfigArrays(tp=tp[pair_i], pp=pp[pair_i], dp=n // (tp[pair_i] * pp[pair_i]), micro_batch=b, zero=zero,
+                     recompute=rc, sequence_parallel=sp, interleave=v, schedule=sched)
+    return c.take(valid_mask(model, cluster, c))
+
+
+def _empty() -> ConfigArrays:
+    z = np.zeros(0, dtype=int)
+    return ConfigArrays(tp=z, pp=z, dp=z, micro_batch=z, zero=z, recompute=z, sequence_parallel=z.astype(bool),
+                        interleave=z, schedule=z)
+
+
+def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "time", spot: bool = False,
+         max_micro_batch: int = MAX_MICRO_BATCH) -> PlanResult:
+    """The `top` fastest (or cheapest per step) configurations that fit, each with why it beats the next.
+
+    Ranking by cost also tries every smaller whole number of nodes that divides
+    the cluster: fewer GPUs can cost less per step even when each step is slower.
+    """
+    if rank_by not in ("time", "cost"):
+        raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
+    if top < 1:
+        raise ConfigError(f"top = {top}: must be >= 1")
+    start = time.perf_counter()
+    node_counts = divisors(cluster.nodes) if rank_by == "cost" else [cluster.nodes]
+    scored: list[tuple[Cluster, ConfigArrays, dict[str, np.ndarray]]] = []
+    evaluated = 0
+    for nodes in node_counts:
+        sub = make_cluster(cluster.name, nodes, cluster.gpus_per_node)
+        configs = candidate_configs(model, sub, max_micro_batch)
+        if len(configs):
+            scored.append((sub, configs, evaluate(model, sub, configs)))
+            evaluated += len(configs)
+    search_s = time.perf_counter() - start
+
+    cost_key = "spot_cost_usd" if spot else "cost_usd"
+    key = "step_time_s" if rank_by == "time" else cost_key
+    feasible = int(sum(int(np.count_nonzero(out["fits"])) for _, _, out in scored))
+    if not feasible:
+        return PlanResult(str(cluster), rank_by, evaluated, 0, search_s)
+    order = _best_first(scored, key, top + 1)
+    rows = []
+    for r, (k, i) in enumerate(order[:top]):
+        sub, configs, out = scored[k]
+        pred = prediction_from_arrays(out, i, model, configs.spec(i), sub, spot)
+        runner_up = order[r + 1] if r + 1 < len(order) else None
+        why = _why(scored, (k, i), runner_up, key) if runner_up else "no other configuration fits"
+        rows.append(PlanRow(rank=r + 1, prediction=pred, why=why))
+    return PlanResult(str(cluster), rank_by, evaluated, feasible, search_s, rows)
+
+
+def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
+    """Indices (cluster k, config i) of the `count` best fitting configurations, ties broken by fewer GPUs."""
+    values = np.concatenate([np.where(out["fits"], out[key], np.inf) for _, _, out in scored])
+    owner = np.concatenate([np.full(len(out[key]), k) for k, (_, _, out) in enumerate(scored)])
+    local = np.concatenate([np.arange(len(out[key])) for _, _, out in scored])
+    count = min(count, int(np.isfinite(values).sum()))
+    best = np.argpartition(values, count - 1)[:count] if count < len(values) else np.arange(len(values))
+    best = best[np.lexsort((owner[best], values[best]))]
+    return [(int(owner[j]), int(local[j])) for j in best[:count]]
+
+
+def _why(scored, winner: tuple[int, int], runner_up: tuple[int, int], key: str) -> str:
+    """Which terms of the step make `winner` beat `runner_up`, largest first."""
+    (kw, iw), (kr, ir) = winner, runner_up
+    ow, orr = scored[kw][2], scored[kr][2]
+    margin = float(orr[key][ir] - ow[key][iw])
+    money = key != "step_time_s"
+    spec_r = scored[kr][1].spec(ir)
+    where = f" on {scored[kr][0]}" if kr != kw else ""
+    lead = f"beats next ({spec_r.label()}{where}) by " + (f"${margin:.3g}/step" if money else f"{margin:.3g} s")
+    deltas = [(float(orr[t][ir] - ow[t][iw]), t) for t in BREAKDOWN_KEYS]
+    saves = sorted(((d, t) for d, t in deltas if d > 1e-6), reverse=True)[:2]
+    spends = sorted(((-d, t) for d, t in deltas if d < -1e-6), reverse=True)[:1]
+    dominant = max((float(ow[t][iw]), t) for t in BREAKDOWN_KEYS)[1]
+    parts = []
+    if saves:
+        parts.append("less " + ", ".join(f"{TERM_LABELS[t]} (-{d:.3g} s)" for d, t in saves))
+    if spends:
+        parts.append("more " + ", ".join(f"{TERM_LABELS[t]} (+{d:.3g} s)" for d, t in spends))
+    if money and int(scored[kw][0].n_gpus) != int(scored[kr][0].n_gpus):
+        parts.append(f"{scored[kw][0].n_gpus} vs {scored[kr][0].n_gpus} GPUs")
+    detail = "; ".join(parts) if parts else "same step time"
+    return f"{lead}: {detail}; {TERM_LABELS[dominant]} dominates its step"

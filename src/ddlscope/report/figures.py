@@ -1,0 +1,390 @@
+"""Report figures: small functions from plain data to PNG data URIs.
+
+Every function takes lists and dicts (never the store), draws one figure with
+matplotlib's Agg backend, closes it, and returns `data:image/png;base64,...`,
+or None when there is nothing to draw. The same data gives the same bytes: a
+fixed style (no user matplotlibrc), fixed colours and no timestamp metadata.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, ParamSpec, TypeVar
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: no display, no GUI toolkit
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
+
+PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
+PHASE_COLORS = {
+    "data_s": "#9e9e9e", "forward_s": "#4c78a8", "backward_s": "#f58518",
+    "comm_wait_s": "#e45756", "optimizer_s": "#54a24b",
+}
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
+MEMORY_COLORS = {"parameters": "#4c78a8", "gradients": "#f58518", "optimizer": "#54a24b", "activations": "#b279a2"}
+PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#eeca3b", "#9d755d",
+           "#ff9da6", "#bab0ac")
+DPI = 96
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_STYLE: dict[str, Any] = {
+    "font.family": "DejaVu Sans",
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "axes.axisbelow": True,
+    "grid.color": "#e3e3e3",
+    "grid.linewidth": 0.8,
+    "legend.fontsize": 8,
+    "legend.frameon": False,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "figure.facecolor": "white",
+    "savefig.facecolor": "white",
+    "path.simplify": False,
+    "svg.hashsalt": "ddlscope",
+}
+
+
+def color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+def _render(fig: Any) -> str:
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=DPI, metadata={"Software": None}, bbox_inches="tight", pad_inches=0.08)
+    finally:
+        plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(width: float, height: float, ncols: int = 1, nrows: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    return plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, **kwargs)
+
+
+def _styled(fn: Callable[P, R]) -> Callable[P, R]:
+    """Draw under the fixed style (artists read rcParams when they are created, so all of the body)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with matplotlib.rc_context():
+            matplotlib.rcdefaults()  # ignore any user matplotlibrc: same data, same image
+            matplotlib.rcParams.update(_STYLE)
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else math.nan
+
+
+def _category_ticks(ax: Any, labels: Sequence[str]) -> None:
+    ax.set_xticks(range(len(labels)))
+    long = len(labels) > 4 or max((len(s) for s in labels), default=0) > 14
+    ax.set_xticklabels([_shorten(s) for s in labels], rotation=30 if long else 0, ha="right" if long else "center")
+    ax.grid(False, axis="x")
+
+
+def _shorten(s: str, n: int = 28) -> str:
+    """A label cut to n characters, with `$` escaped so user text never turns into mathtext."""
+    s = str(s) if len(str(s)) <= n else str(s)[: n - 1] + "…"
+    return s.replace("$", r"\$")
+
+
+def _width(n: int, per: float = 0.55, lo: float = 5.0, hi: float = 12.0) -> float:
+    return max(lo, min(hi, 1.6 + per * n))
+
+
+def _fmt(v: float) -> str:
+    if not math.isfinite(v):
+        return ""
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.2f}" if abs(v) >= 1 else f"{v:.3g}"
+
+
+def _bytes_axis(axis: Any, vmax: float) -> None:
+    """Ticks at round numbers of the binary unit that fits the largest value (KiB, MiB, GiB)."""
+    unit = 1.0
+    while vmax / unit >= 1024 and unit < 1024**3:
+        unit *= 1024
+    ticks = MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]).tick_values(0, max(vmax, 1.0) / unit)
+    axis.set_major_locator(FixedLocator([t * unit for t in ticks if t >= 0]))
+    axis.set_major_formatter(_bytes_formatter())
+
+
+def _bytes_formatter() -> FuncFormatter:
+    def fmt(v: float, _pos: int) -> str:
+        for unit in ("B", "KiB", "MiB", "GiB"):
+            if abs(v) < 1024 or unit == "GiB":
+                return f"{v:.0f} {unit}" if unit == "B" else f"{v:.4g} {unit}"
+            v /= 1024
+        return f"{v:.3g} GiB"
+
+    return FuncFormatter(fmt)
+
+
+# ---------------------------------------------------------------------------- throughput / speedup
+@_styled
+def throughput_speedup(labels: Sequence[str], throughput: Sequence[float | None],
+                       speedup: Sequence[float | None]) -> str | None:
+    """Two bar charts side by side: samples/s per run, and speedup vs single (1x line)."""
+    tp = [_num(v) for v in throughput]
+    sp = [_num(v) for v in speedup]
+    if not labels or all(math.isnan(v) for v in tp):
+        return None
+    has_speedup = not all(math.isnan(v) for v in sp)
+    fig, axes = _figure(_width(len(labels), 0.5, 6, 12) * (1.6 if has_speedup else 1), 3.2,
+                        ncols=2 if has_speedup else 1)
+    panels = [(axes[0][0], tp, "throughput (samples/s)", "throughput")]
+    if has_speedup:
+        panels.append((axes[0][1], sp, "speedup vs single (x)", "speedup vs single"))
+    for ax, values, ylabel, title in panels:
+        bars = ax.bar(range(len(labels)), [0 if math.isnan(v) else v for v in values],
+                      color=[color(i) for i in range(len(labels))], width=0.7)
+        for bar, v in zip(bars, values):
+            ax.annotate("n/a" if math.isnan(v) else _fmt(v) + ("x" if title.startswith("speedup") else ""),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+        if title.startswith("speedup"):
+            ax.axhline(1.0, color="#555", lw=0.9, ls="--")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.margins(y=0.15)
+        _category_ticks(ax, labels)
+    return _render(fig)
+
+
+@_styled
+def scaling_efficiency(series: Mapping[str, Sequence[tuple[int, float]]]) -> str | None:
+    """Scaling efficiency (speedup / world size) vs world size, one line per series; 1.0 is ideal."""
+    series = {k: sorted((int(w), _num(e)) for w, e in pts if not math.isnan(_num(e))) for k, pts in series.items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, axes = _figure(6.4, 3.4)
+    ax = axes[0][0]
+    sizes: set[int] = set()
+    for i, (name, pts) in enumerate(sorted(series.items())):
+        xs, ys = zip(*pts)
+        sizes.update(xs)
+        ax.plot(xs, ys, marker="o", color=color(i), label=_shorten(name, 40))
+    ax.axhline(1.0, color="#555", lw=0.9, ls="--", label="ideal")
+    ax.set_xticks(sorted(sizes))
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel("scaling efficiency")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylim(bottom=0)
+    ax.set_title("scaling efficiency vs world size")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _render(fig)
+
+
+# ---------------------------------------------------------------------------- time breakdown
+@_styled
+def breakdown_bars(labels: Sequence[str], breakdowns: Sequence[Mapping[str, float]],
+                   title: str = "time breakdown (mean per rank-step)") -> str | None:
+    """Stacked bars of mean time per step in each phase (ms): one bar per label (a run, or a rank)."""
+    if not labels or not any(breakdowns):
+        return None
+    fig, axes = _figure(_width(len(labels), 0.5, 5.5, 12), 3.3)
+    ax = axes[0][0]
+    bottom = [0.0] * len(labels)
+    for phase in PHASES:
+        values = [_num(b.get(phase)) * 1e3 if b else 0.0 for b in breakdowns]
+        values = [0.0 if math.isnan(v) else v for v in values]
+        ax.bar(range(len(labels)), values, bottom=bottom, color=PHASE_COLORS[phase], width=0.65,
+               label=phase.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for i, total in enumerate(bottom):
+        ax.annotate(f"{total:.3g} ms", (i, total), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                    textcoords="offset points")
+    ax.set_ylabel("ms per step")
+    ax.set_title(_shorten(title, 90))
+    ax.margins(y=0.12)
+    _category_ticks(ax, labels)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _render(fig)
+
+
+@_styled
+def step_time_distribution(step_times_s: Mapping[str, Sequence[float]]) -> str | None:
+    """Box plot of step times (ms) per run; whiskers 5-95th percentile, outliers as dots."""
+    data = {k: [v * 1e3 for v in vals if not math.isnan(_num(v))] for k, vals in step_times_s.items()}
+    data = {k: v for k, v in data.items() if v}
+    if not data:
+        return None
+    labels = list(data)
+    fig, axes = _figure(_width(len(labels), 0.6, 5.5, 12), 3.3)
+    ax = axes[0][0]
+    box = ax.boxplot([data[k] for k in labels], positions=range(len(labels)), widths=0.55, whis=(5, 95),
+                     patch_artist=True, flierprops={"marker": ".", "markersize": 3, "alpha": 0.6},
+                     medianprops={"color": "black"})
+    for i, patch in enumerate(box["boxes"]):
+        patch.set_facecolor(color(i))
+        patch.set_alpha(0.75)
+    values = [v for vs in data.values() for v in vs]
+    if min(values) > 0 and max(values) / min(values) > 50:
+        ax.set_yscale("log")
+    ax.set_ylabel("step time (ms, slowest rank)")
+    ax.set_title("step-time distribution (steady-state steps)")
+    _category_ticks(ax, labels)
+    return _render(fig)
+
+
+# ---------------------------------------------------------------------------- memory
+@_styled
+def memory_bars(labels: Sequence[str], memory: Sequence[Mapping[str, int]],
+                title: str = "memory by category per rank") -> str | None:
+    """Stacked bars of tensor bytes by category per (run, rank); peak RSS as a marker on a right axis."""
+    if not labels or not any(memory):
+        return None
+    fig, axes = _figure(_width(len(labels), 0.45, 6, 13), 3.5)
+    ax = axes[0][0]
+    bottom = [0.0] * len(labels)
+    for cat in MEMORY_CATEGORIES:
+        values = [float(m.get(cat, 0) or 0) for m in memory]
+        if not any(values):
+            continue
+        ax.bar(range(len(labels)), values, bottom=bottom, color=MEMORY_COLORS[cat], width=0.65, label=cat)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylim(0, max(bottom) * 1.08 or 1.0)
+    _bytes_axis(ax.yaxis, max(bottom) * 1.08)
+    ax.set_ylabel("tensor bytes")
+    ax.set_title(_shorten(title, 90))
+    _category_ticks(ax, labels)
+    handles, names = ax.get_legend_handles_labels()
+    rss = [_num(m.get("peak_rss")) for m in memory]
+    if not all(math.isnan(v) for v in rss):
+        ax2 = ax.twinx()
+        ax2.grid(False)
+        ax2.spines["right"].set_visible(True)
+        (line,) = ax2.plot(range(len(labels)), rss, linestyle="none", marker="D", color="black", markersize=5,
+                           label="peak RSS (right axis)")
+        top = max(v for v in rss if not math.isnan(v)) * 1.15 or 1.0
+        ax2.set_ylim(0, top)
+        _bytes_axis(ax2.yaxis, top)
+        ax2.set_ylabel("peak RSS (process)")
+        handles.append(line)
+        names.append(line.get_label())
+    fig.tight_layout()
+    fig.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 0.95))
+    return _render(fig)
+
+
+# ---------------------------------------------------------------------------- metric curves
+@_styled
+def metric_curves(curves: Mapping[str, Sequence[Mapping[str, Any]]], metric_name: str = "metric",
+                  title: str | None = None, target: float | None = None) -> str | None:
+    """The eval metric vs wall time (s) and vs samples seen, one line per run.
+
+    Each curve is a list of points with keys `wall_s`, `samples_seen`, `metric`.
+    """
+    curves = {k: [p for p in pts if not math.isnan(_num(p.get("metric")))] for k, pts in curves.items()}
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return None
+    fig, axes = _figure(10, 3.4, ncols=2, sharey=True)
+    for ax, key, xlabel in ((axes[0][0], "wall_s", "training wall time (s)"),
+                            (axes[0][1], "samples_seen", "samples seen")):
+        for i, (name, pts) in enumerate(curves.items()):
+            xs = [_num(p.get(key)) for p in pts]
+            ax.plot(xs, [_num(p["metric"]) for p in pts], marker="o", markersize=3, color=color(i),
+                    label=_shorten(name, 40))
+        if target is not None:
+            ax.axhline(target, color="#555", lw=0.9, ls="--", label=f"target {target:g}")
+        ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(6))
+    name = _shorten(metric_name, 40)
+    axes[0][0].set_ylabel(name)
+    axes[0][0].set_title(f"{name} vs wall time")
+    axes[0][1].set_title(f"{name} vs samples seen")
+    axes[0][1].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if title:
+        fig.suptitle(_shorten(title, 90), fontsize=10)
+    return _render(fig)
+
+
+# ---------------------------------------------------------------------------- parameter servers
+@_styled
+def staleness_histograms(staleness: Mapping[str, Sequence[int]]) -> str | None:
+    """One histogram per PS run: the share of applied updates by staleness (versions behind)."""
+    data = {k: [int(v) for v in vals if v is not None] for k, vals in staleness.items()}
+    data = {k: v for k, v in data.items() if v}
+    if not data:
+        return None
+    n = len(data)
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    fig, axes = _figure(3.4 * ncols, 2.7 * nrows, ncols=ncols, nrows=nrows)
+    for idx in range(nrows * ncols):
+        ax = axes[idx // ncols][idx % ncols]
+        if idx >= n:
+            ax.set_visible(False)
+            continue
+        name, vals = list(data.items())[idx]
+        top = max(vals)
+        counts = [0] * (top + 1)
+        for v in vals:
+            counts[v] += 1
+        ax.bar(range(top + 1), [c / len(vals) for c in counts], color=color(idx), width=0.8)
+        ax.set_xlim(-0.6, max(top, 3) + 0.6)
+        ax.set_ylim(0, 1.0)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("staleness (versions behind)")
+        if idx % ncols == 0:
+            ax.set_ylabel("share of updates")
+        ax.set_title(f"{_shorten(name, 32)}\nmean {sum(vals) / len(vals):.2f}, max {top}, n={len(vals)}",
+                     fontsize=8.5)
+        ax.grid(False, axis="x")
+    fig.tight_layout()
+    return _render(fig)
+
+
+@_styled
+def server_time_share(labels: Sequence[str], apply_share: Sequence[float | None],
+                      cpu_share: Sequence[float | None] | None = None) -> str | None:
+    """Horizontal bars: the share of each server's wall time spent applying updates (and its CPU share)."""
+    ap = [_num(v) for v in apply_share]
+    if not labels or all(math.isnan(v) for v in ap):
+        return None
+    cp = [_num(v) for v in cpu_share] if cpu_share is not None else [math.nan] * len(labels)
+    has_cpu = not all(math.isnan(v) for v in cp)
+    fig, axes = _figure(7.5, max(1.6, 0.45 * len(labels) * (2 if has_cpu else 1) + 0.9))
+    ax = axes[0][0]
+    h = 0.38 if has_cpu else 0.6
+    ys = list(range(len(labels)))
+    rows = [(ap, "busy applying updates (apply_s / wall_s)", PALETTE[0], -h / 2 if has_cpu else 0.0)]
+    if has_cpu:
+        rows.append((cp, "server CPU busy (busy_cpu_s / wall_s)", PALETTE[1], h / 2))
+    for vals, name, c, off in rows:
+        bars = ax.barh([y + off for y in ys], [0 if math.isnan(v) else v for v in vals], height=h, color=c,
+                       label=name)
+        for bar, v in zip(bars, vals):
+            ax.annotate("n/a" if math.isnan(v) else f"{v:.0%}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                        va="center", ha="left", fontsize=7, xytext=(3, 0), textcoords="offset points")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([_shorten(s, 36) for s in labels])
+    ax.invert_yaxis()
+    top = max([v for v in ap + cp if not math.isnan(v)] + [0.0])
+    ax.set_xlim(0, max(1.0, top * 1.15))
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel("share of server wall time")
+    ax.set_title("parameter-server time share")
+    ax.grid(False, axis="y")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _render(fig)

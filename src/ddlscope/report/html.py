@@ -1,0 +1,473 @@
+"""Self-contained HTML reports of stored runs and of studies.
+
+One page, no external reference of any kind: CSS inline, figures as PNG data
+URIs, no JavaScript. Jinja2 autoescapes everything (run names, errors, config
+values are user strings). This module reads the store and the analysis layer
+only; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import jinja2
+
+from ddlscope import __version__
+from ddlscope.analysis.summary import PHASES, Summary, summarize
+from ddlscope.report import figures
+from ddlscope.store import Run, Store
+
+LOWER_IS_BETTER = ("loss", "perplexity")
+KEY_FIELDS = (
+    "workload.name", "workload.batch_size", "workload.steps", "workload.lr", "workload.optimizer",
+    "workload.momentum", "workload.eval_every", "cluster.world_size", "cluster.nnodes", "cluster.device",
+    "cluster.backend", "cluster.network.mode", "cluster.network.profile", "cluster.slowdown", "cluster.jitter",
+    "seed",
+)
+MEMORY_BARS_PER_FIGURE = 24
+
+
+# ---------------------------------------------------------------------------- data from the store
+@dataclass
+class RunData:
+    """Everything the pages show about one run, gathered once."""
+
+    run: Run
+    label: str
+    summary: Summary
+    step_times_s: list[float]
+    rank_breakdown: dict[int, dict[str, float]]
+    curve: list[dict[str, Any]]
+    metric_name: str | None
+    train_wall_s: float | None
+    staleness: list[int] = field(default_factory=list)
+    servers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def is_ps(self) -> bool:
+        return bool(self.staleness or self.servers)
+
+    @property
+    def final_metric(self) -> float | None:
+        fe = self.summary.final_eval
+        return fe["metric"] if fe else None
+
+    @property
+    def mean_staleness(self) -> float | None:
+        return statistics.fmean(self.staleness) if self.staleness else None
+
+    def time_to_target(self, target: float) -> float | None:
+        """Training wall time of the first eval that reached the target, None if none did."""
+        lower = (self.metric_name or "") in LOWER_IS_BETTER
+        for p in self.curve:
+            m = p.get("metric")
+            if m is not None and (m <= target if lower else m >= target):
+                return p.get("wall_s")
+        return None
+
+
+def run_label(run: Run) -> str:
+    return f"#{run.id} {run.name}" if run.name else f"#{run.id} {run.strategy} x{run.world_size}"
+
+
+def collect(store: Store, run: Run, label: str | None = None, summary: Summary | None = None) -> RunData:
+    steps = store.steps(run.id)
+    step_ids = sorted({r["step"] for r in steps})
+    first = step_ids[1] if len(step_ids) > 1 else (step_ids[0] if step_ids else 0)
+    steady = [r for r in steps if r["step"] >= first]  # step 0 left out, as in the summary
+
+    slowest: dict[int, float] = {}
+    per_rank: dict[int, list[Any]] = {}
+    for r in steady:
+        if r["step_s"] is not None:
+            slowest[r["step"]] = max(slowest.get(r["step"], 0.0), r["step_s"])
+        per_rank.setdefault(r["rank"], []).append(r)
+    rank_breakdown = {
+        rank: {p: statistics.fmean(x[p] or 0.0 for x in rows) for p in PHASES} for rank, rows in sorted(per_rank.items())
+    }
+    ends = [r["t_s"] + r["step_s"] for r in steps if r["t_s"] is not None and r["step_s"] is not None]
+
+    curve: dict[int, dict[str, Any]] = {}
+    metric_name = None
+    for e in store.evals(run.id):  # ordered by step, rank: the lowest rank's eval stands for the step
+        if e["step"] not in curve:
+            curve[e["step"]] = {"step": e["step"], "wall_s": e["wall_s"], "samples_seen": e["samples_seen"],
+                                "metric": e["metric"], "loss": e["loss"]}
+            metric_name = metric_name or e["metric_name"]
+
+    updates = store.updates(run.id)
+    servers = _servers(updates, store.events(run.id))
+    return RunData(
+        run=run, label=label or run_label(run), summary=summary or summarize(store, run),
+        step_times_s=[slowest[s] for s in sorted(slowest)], rank_breakdown=rank_breakdown,
+        curve=[curve[s] for s in sorted(curve)], metric_name=metric_name,
+        train_wall_s=max(ends) if ends else None,
+        staleness=[u["staleness"] for u in updates if u["staleness"] is not None], servers=servers,
+    )
+
+
+_KV = re.compile(r"(\w+)=([-+0-9.eE]+)")
+
+
+def _servers(updates: Sequence[Any], events: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per server rank: updates applied, time spent applying them, and its wall time (server_end event)."""
+    by_rank: dict[int, list[Any]] = {}
+    for u in updates:
+        by_rank.setdefault(u["rank"], []).append(u)
+    ends: dict[int, dict[str, float]] = {}
+    for e in events:
+        if e["kind"] == "server_end":
+            ends[e["rank"]] = {k: float(v) for k, v in _KV.findall(e["message"] or "")}
+    out = []
+    for rank in sorted(set(by_rank) | set(ends)):
+        rows = by_rank.get(rank, [])
+        end = ends.get(rank, {})
+        apply_s = sum(u["apply_s"] or 0.0 for u in rows)
+        wall = end.get("wall_s")
+        cpu = end.get("busy_cpu_s")
+        out.append({
+            "rank": rank, "updates": len(rows), "apply_s": apply_s, "wall_s": wall, "busy_cpu_s": cpu,
+            "apply_share": apply_s / wall if wall else None, "cpu_share": cpu / wall if wall and cpu is not None else None,
+            "mean_staleness": statistics.fmean(u["staleness"] for u in rows) if rows else None,
+            "max_staleness": max(u["staleness"] for u in rows) if rows else None,
+            "mean_queue_s": statistics.fmean(u["queue_s"] or 0.0 for u in rows) if rows else None,
+            "mean_apply_s": apply_s / len(rows) if rows else None,
+        })
+    return out
+
+
+# ---------------------------------------------------------------------------- figures from run data
+def _fig_throughput(data: Sequence[RunData]) -> str | None:
+    return figures.throughput_speedup([d.label for d in data], [d.summary.throughput_samples_per_s for d in data],
+                                      [d.summary.speedup_vs_single for d in data])
+
+
+def _fig_scaling(series: dict[str, dict[int, float]]) -> str | None:
+    return figures.scaling_efficiency({k: sorted(v.items()) for k, v in series.items()})
+
+
+def _fig_breakdown(data: Sequence[RunData]) -> str | None:
+    return figures.breakdown_bars([d.label for d in data], [d.summary.breakdown_mean_s for d in data])
+
+
+def _fig_rank_breakdown(d: RunData) -> str | None:
+    ranks = sorted(d.rank_breakdown)
+    return figures.breakdown_bars([f"rank {r}" for r in ranks], [d.rank_breakdown[r] for r in ranks],
+                                  title=f"{d.label}: mean per step, by rank")
+
+
+def _fig_memory(data: Sequence[RunData], title: str) -> list[str]:
+    """Stacked memory bars per (run, rank); split into several figures when there are many bars."""
+    bars = [(f"{d.label} r{rank}", cats) for d in data for rank, cats in sorted(d.summary.memory_bytes_by_rank.items())]
+    if len(bars) <= MEMORY_BARS_PER_FIGURE:
+        uri = figures.memory_bars([b[0] for b in bars], [b[1] for b in bars], title=title)
+        return [uri] if uri else []
+    out = []
+    for d in data:
+        mem = d.summary.memory_bytes_by_rank
+        uri = figures.memory_bars([f"rank {r}" for r in sorted(mem)], [mem[r] for r in sorted(mem)],
+                                  title=f"{title}: {d.label}")
+        if uri:
+            out.append(uri)
+    return out
+
+
+def _fig_curves(data: Sequence[RunData], title: str | None = None, target: float | None = None,
+                labels: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """One metric figure per metric name (runs of different workloads can differ)."""
+    by_metric: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for i, d in enumerate(data):
+        if d.curve:
+            by_metric.setdefault(d.metric_name or "metric", {})[labels[i] if labels else d.label] = d.curve
+    out = []
+    for metric, curves in by_metric.items():
+        uri = figures.metric_curves(curves, metric, title=title, target=target)
+        if uri:
+            out.append({"uri": uri, "metric": metric})
+    return out
+
+
+def _fig_ps(data: Sequence[RunData]) -> tuple[str | None, str | None]:
+    ps = [d for d in data if d.is_ps]
+    stale = figures.staleness_histograms({d.label: d.staleness for d in ps})
+    rows = [(f"{d.label} (server rank {s['rank']})", s) for d in ps for s in d.servers]
+    share = figures.server_time_share([r[0] for r in rows], [r[1]["apply_share"] for r in rows],
+                                      [r[1]["cpu_share"] for r in rows])
+    return stale, share
+
+
+# ---------------------------------------------------------------------------- formatting
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def _show(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, (list, dict, bool)):
+        return json.dumps(v)
+    return str(v)
+
+
+def _config_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Key config fields, every strategy knob, and any other field on which the runs differ."""
+    flat = [_flatten(r.config) for r in runs]
+    keys = set().union(*flat) if flat else set()
+    strategy_keys = sorted(k for k in keys if k.startswith("strategy."))
+    chosen = ["strategy.name", *(k for k in KEY_FIELDS if k in keys and k != "seed")]
+    chosen += [k for k in strategy_keys if k not in chosen]
+    if len(runs) > 1:
+        chosen += sorted(k for k in keys if k not in chosen and k != "name"
+                         and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flat}) > 1)
+    chosen.append("seed")
+    rows = []
+    for key in chosen:
+        values = [_show(f.get(key)) for f in flat]
+        rows.append({"key": key, "values": values, "differs": len(set(values)) > 1})
+    env_rows = [("host", [r.host for r in runs]), ("code version", [r.code_version for r in runs]),
+                ("cores", [_show(r.environment.get("cores")) for r in runs]),
+                ("torch", [_show(r.environment.get("torch")) for r in runs]),
+                ("network emulated", [_show((r.environment.get("network") or {}).get("emulated")) for r in runs])]
+    for key, values in env_rows:
+        rows.append({"key": key, "values": values, "differs": len(set(values)) > 1, "env": True})
+    return rows
+
+
+def fmt_num(v: Any, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "—"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    v = float(v)
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def fmt_ms(v: Any) -> str:
+    return "—" if v is None else f"{v * 1e3:.3g} ms" if v * 1e3 < 100 else f"{v * 1e3:,.0f} ms"
+
+
+def fmt_s(v: Any) -> str:
+    return "—" if v is None else f"{v:.3g} s" if v < 100 else f"{v:,.0f} s"
+
+
+def fmt_pct(v: Any) -> str:
+    return "—" if v is None else f"{v:.0%}"
+
+
+def fmt_x(v: Any) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def fmt_bytes(n: Any) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def _when(ts: float | None) -> str:
+    import datetime as dt
+
+    return "—" if ts is None else dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _merge_notes(pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """Same note on several runs: said once, with the runs it applies to."""
+    order: dict[str, list[str]] = {}
+    for label, note in pairs:
+        who = order.setdefault(note, [])
+        if label not in who:
+            who.append(label)
+    return [f"{note} ({', '.join(who)})" if who and who != [""] else note for note, who in order.items()]
+
+
+_ENV: jinja2.Environment | None = None
+
+
+def _env() -> jinja2.Environment:
+    global _ENV
+    if _ENV is None:
+        env = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(Path(__file__).with_name("templates")),
+            autoescape=jinja2.select_autoescape(enabled_extensions=("html", "htm", "xml"), default=True),
+            undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        )
+        env.filters.update(num=fmt_num, ms=fmt_ms, secs=fmt_s, pct=fmt_pct, x=fmt_x, bytes=fmt_bytes, when=_when)
+        _ENV = env
+    return _ENV
+
+
+def _summary_row(d: RunData) -> dict[str, Any]:
+    s = d.summary
+    fe = s.final_eval
+    return {
+        "label": d.label, "id": d.run.id, "name": d.run.name, "uuid": d.run.uuid, "strategy": d.run.strategy,
+        "workload": d.run.workload, "world_size": d.run.world_size, "status": d.run.shown_status,
+        "error": d.run.error, "steps": s.steps_recorded, "ranks": s.ranks_recorded, "step_s": s.mean_step_s,
+        "throughput": s.throughput_samples_per_s, "speedup": s.speedup_vs_single, "efficiency": s.scaling_efficiency,
+        "baseline": s.baseline_run_id, "overlap": (s.comm or {}).get("overlap_fraction"),
+        "comm_s": (s.comm or {}).get("comm_s"), "exposed_s": (s.comm or {}).get("exposed_s"),
+        "bytes_per_step": (s.comm or {}).get("bytes_sent_per_step"),
+        "metric_name": fe["metric_name"] if fe else None, "metric": fe["metric"] if fe else None,
+        "final_loss": s.final_loss, "train_wall_s": d.train_wall_s, "duration_s": s.run.get("duration_s"),
+        "created": d.run.created_at, "mean_staleness": d.mean_staleness,
+    }
+
+
+# ---------------------------------------------------------------------------- pages
+def runs_report(store: Store, runs: list[Run], title: str) -> str:
+    """One page comparing runs: configs, summary table, breakdowns, memory, metric curves, PS views, notes."""
+    data = [collect(store, r) for r in runs]
+    rows = [_summary_row(d) for d in data]
+
+    series: dict[str, dict[int, float]] = {}
+    for d in data:
+        if d.summary.scaling_efficiency is not None:
+            series.setdefault(d.run.strategy, {}).setdefault(d.run.world_size, d.summary.scaling_efficiency)
+
+    ps = [d for d in data if d.is_ps]
+    stale_uri, share_uri = _fig_ps(ps) if ps else (None, None)
+    context = {
+        "title": title, "version": __version__, "store": str(store.path),
+        "runs": [{"label": d.label, "run": d.run, "row": row,
+                  "config_json": json.dumps(d.run.config, indent=2, sort_keys=True),
+                  "environment_json": json.dumps(d.run.environment, indent=2, sort_keys=True)}
+                 for d, row in zip(data, rows)],
+        "config_rows": _config_rows(runs),
+        "rows": rows,
+        "phases": [p.removesuffix("_s") for p in PHASES],
+        "breakdowns": [{"label": d.label, "ms": [d.summary.breakdown_mean_s.get(p) for p in PHASES],
+                        "fractions": [d.summary.breakdown_fraction.get(p) for p in PHASES]} for d in data],
+        "notes": _merge_notes((d.label, n) for d in data for n in d.summary.notes),
+        "fig_throughput": _fig_throughput(data),
+        "fig_scaling": _fig_scaling(series),
+        "fig_breakdown": _fig_breakdown(data),
+        "fig_rank_breakdowns": [{"label": d.label, "uri": _fig_rank_breakdown(d)} for d in data if d.rank_breakdown],
+        "fig_steps": figures.step_time_distribution({d.label: d.step_times_s for d in data}),
+        "fig_memory": _fig_memory(data, "memory by category per rank"),
+        "memory": [{"label": d.label, "ranks": sorted(d.summary.memory_bytes_by_rank.items())} for d in data
+                   if d.summary.memory_bytes_by_rank],
+        "fig_curves": _fig_curves(data),
+        "ps": [{"label": d.label, "servers": d.servers, "mean_staleness": d.mean_staleness,
+                "updates": len(d.staleness)} for d in ps],
+        "fig_staleness": stale_uri, "fig_server_share": share_uri,
+    }
+    return _env().get_template("runs.html").render(**context)
+
+
+def study_report(store: Store, title: str, cells: list[dict], headlines: list[dict], decisions: list[str],
+                 notes: list[str]) -> str:
+    """The study page: headline comparison with the main study, all cells, figures, decisions."""
+    summaries: dict[int, Summary] = {}
+    data: list[RunData] = []
+    for cell in cells:
+        run = cell["run"]
+        if run.id not in summaries:
+            summaries[run.id] = summarize(store, run)
+        data.append(collect(store, run, label=str(cell["key"]), summary=summaries[run.id]))
+
+    has_target = any(c.get("labels", {}).get("target_metric") is not None for c in cells)
+    metric_names = {d.metric_name for d in data if d.metric_name}
+    table = []
+    for cell, d in zip(cells, data):
+        labels = cell.get("labels", {})
+        target = labels.get("target_metric")
+        row = _summary_row(d)
+        row.update(key=str(cell["key"]), network=labels.get("network"), workers=labels.get("workers"),
+                   part=labels.get("part"), cell_world_size=labels.get("world_size", d.run.world_size),
+                   strategy=labels.get("strategy", d.run.strategy), target=target,
+                   time_to_target=d.time_to_target(float(target)) if target is not None else None)
+        table.append(row)
+
+    accuracy = [(c, d) for c, d in zip(cells, data) if c.get("labels", {}).get("part", "accuracy") == "accuracy"]
+    memory = [d for c, d in zip(cells, data) if c.get("labels", {}).get("part") == "memory"]
+
+    series: dict[str, dict[int, float]] = {}
+    for c, d in sorted(zip(cells, data), key=lambda cd: cd[0].get("labels", {}).get("part") != "accuracy"):
+        lab = c.get("labels", {})
+        if d.summary.scaling_efficiency is not None:
+            name = " · ".join(str(lab[k]) for k in ("strategy", "network", "workers") if lab.get(k) is not None)
+            series.setdefault(name or d.run.strategy, {}).setdefault(
+                int(lab.get("world_size", d.run.world_size)), d.summary.scaling_efficiency)
+
+    groups: dict[tuple[str, str], list[tuple[dict, RunData]]] = {}
+    for c, d in accuracy:
+        lab = c.get("labels", {})
+        groups.setdefault((str(lab.get("network", "")), str(lab.get("workers", ""))), []).append((c, d))
+    curve_figs = []
+    for (network, workers), members in groups.items():
+        sizes_per_strategy: dict[str, set[int]] = {}
+        for c, d in members:
+            lab = c.get("labels", {})
+            sizes_per_strategy.setdefault(str(lab.get("strategy", d.run.strategy)), set()).add(
+                int(lab.get("world_size", d.run.world_size)))
+        line_labels = []
+        for c, d in members:
+            lab = c.get("labels", {})
+            strategy = str(lab.get("strategy", d.run.strategy))
+            ws = int(lab.get("world_size", d.run.world_size))
+            line_labels.append(strategy if len(sizes_per_strategy[strategy]) == 1 else f"{strategy} w{ws}")
+        targets = {c.get("labels", {}).get("target_metric") for c, _ in members} - {None}
+        group_title = " · ".join(x for x in (f"network {network}" if network else "",
+                                             f"{workers} workers" if workers else "") if x)
+        for fig in _fig_curves([d for _, d in members], title=group_title or None,
+                               target=float(next(iter(targets))) if len(targets) == 1 else None, labels=line_labels):
+            curve_figs.append({**fig, "group": group_title})
+
+    ps = [d for d in data if d.is_ps]
+    stale_uri, share_uri = _fig_ps(ps) if ps else (None, None)
+    all_notes = list(notes) + [n for n in _merge_notes(("", n) for d in data for n in d.summary.notes)
+                               if n not in notes]
+    context = {
+        "title": title, "version": __version__, "store": str(store.path),
+        "notes": all_notes, "headlines": headlines, "decisions": decisions, "cells": table,
+        "has_target": has_target, "any_ps": bool(ps),
+        "metric_header": f"final {next(iter(metric_names))}" if len(metric_names) == 1 else "final metric",
+        "fig_throughput": _fig_throughput(data),
+        "fig_scaling": _fig_scaling(series),
+        "fig_memory": _fig_memory(memory, "memory by category per rank (memory cells)") if memory else [],
+        "fig_curves": curve_figs,
+        "fig_staleness": stale_uri, "fig_server_share": share_uri,
+        "fig_breakdown": _fig_breakdown(data),
+    }
+    return _env().get_template("study.html").render(**context)
+
+
+def write_report(html: str, path: Path) -> None:
+    """Write the page atomically: a temporary file in the same folder, then os.replace."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(html)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
