@@ -286,7 +286,9 @@ def _print_summary(s: Any) -> None:
     head.add_row("steps recorded", f"{s.steps_recorded} x {s.ranks_recorded} ranks "
                  f"(first {s.warmup_steps_excluded} excluded from timing)")
     if s.mean_step_s:
-        head.add_row("step time", f"{s.mean_step_s * 1e3:.2f} ms (slowest rank, mean)")
+        head.add_row("step time", f"{s.mean_step_s * 1e3:.2f} ms (slowest rank, mean)"
+                     + (f"; {s.cpu_derived_step_s * 1e3:.2f} ms with compute from thread CPU time"
+                        if s.oversubscribed and s.cpu_derived_step_s else ""))
         head.add_row("throughput", f"{s.throughput_samples_per_s:.1f} samples/s")
     if s.speedup_vs_single is not None:
         head.add_row("speedup vs single", f"{s.speedup_vs_single:.2f}x (run {s.baseline_run_id}); "
@@ -297,6 +299,11 @@ def _print_summary(s: Any) -> None:
         head.add_row("communication", f"{_fmt_bytes(s.comm['bytes_sent_per_step'])}/step/rank, "
                      f"{s.comm['comm_s'] * 1e3:.2f} ms in flight, {s.comm['exposed_s'] * 1e3:.2f} ms exposed, "
                      f"overlap {s.comm['overlap_fraction']:.0%}")
+    if s.staleness:
+        head.add_row("staleness", f"mean {s.staleness['mean']:.2f}, max {s.staleness['max']:.0f} "
+                     f"over {s.staleness['updates']:.0f} server updates")
+    if s.server_busy_fraction is not None:
+        head.add_row("server busy", f"{s.server_busy_fraction:.1%} of its wall time applying updates")
     if s.final_eval:
         e = s.final_eval
         head.add_row("final eval", f"{e['metric_name']} {e['metric']:.4f}, loss {e['loss']:.4f} "

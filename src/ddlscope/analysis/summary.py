@@ -33,7 +33,21 @@ class Summary:
     memory_bytes_by_rank: dict[int, dict[str, int]]
     final_eval: dict[str, Any] | None
     final_loss: float | None
+    train_wall_s: float | None  # first step start to the last rank's last step end
+    oversubscribed: bool  # more ranks than cores on one machine
+    cpu_derived_step_s: float | None  # step time with compute taken from thread CPU time
+    staleness: dict[str, float] = field(default_factory=dict)  # parameter servers: mean, max, updates
+    server_busy_fraction: float | None = None  # parameter servers: apply CPU time / server wall time
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def timing_basis(self) -> str:
+        return "thread CPU time of compute (ranks > cores)" if self.oversubscribed else "wall clock"
+
+    @property
+    def effective_step_s(self) -> float | None:
+        """The step time comparisons should use: CPU-derived when ranks share cores."""
+        return self.cpu_derived_step_s if self.oversubscribed else self.mean_step_s
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -77,13 +91,19 @@ def summarize(store: Store, run: Run) -> Summary:
         final_eval.pop("run_id", None)
     last_losses = [r["loss"] for r in rows if steps and r["step"] == steps[-1]]
 
+    oversubscribed = _oversubscribed(run)
+    cpu_step = (statistics.fmean(max(r["step_s"] - r["forward_s"] - r["backward_s"] + r["compute_cpu_s"] for r in rs)
+                                 for rs in by_step.values()) if by_step else None)
     return Summary(
         run=_run_info(run), steps_recorded=len(steps), ranks_recorded=len({r["rank"] for r in rows}),
         warmup_steps_excluded=warmup, mean_step_s=mean_step_s, throughput_samples_per_s=throughput,
         baseline_run_id=baseline.id if baseline else None, speedup_vs_single=speedup,
         scaling_efficiency=efficiency, breakdown_mean_s=breakdown, breakdown_fraction=fractions, comm=comm,
         memory_bytes_by_rank=memory, final_eval=final_eval,
-        final_loss=statistics.fmean(last_losses) if last_losses else None, notes=_notes(run),
+        final_loss=statistics.fmean(last_losses) if last_losses else None,
+        train_wall_s=max((r["t_s"] + r["step_s"] for r in rows), default=None),
+        oversubscribed=oversubscribed, cpu_derived_step_s=cpu_step,
+        staleness=_staleness(store, run), server_busy_fraction=_server_busy_fraction(store, run), notes=_notes(run),
     )
 
 
@@ -95,6 +115,30 @@ def find_single_baseline(store: Store, run: Run) -> Run | None:
         if candidate.config.get("workload") == run.config.get("workload"):
             return candidate
     return None
+
+
+def _oversubscribed(run: Run) -> bool:
+    cores = run.environment.get("cores")
+    ranks = run.world_size + run.environment.get("extra_ranks", 0)
+    return bool(cores) and ranks > cores and run.config.get("cluster", {}).get("nnodes", 1) == 1
+
+
+def _staleness(store: Store, run: Run) -> dict[str, float]:
+    values = [u["staleness"] for u in store.updates(run.id)]
+    if not values:
+        return {}
+    return {"mean": statistics.fmean(values), "max": float(max(values)), "updates": float(len(values))}
+
+
+def _server_busy_fraction(store: Store, run: Run) -> float | None:
+    """Share of the servers' wall time spent applying updates (1.0: the server is the bottleneck)."""
+    wall = busy = 0.0
+    for event in store.events(run.id):
+        if event["kind"] == "server_end":
+            fields = dict(part.split("=", 1) for part in event["message"].split())
+            wall += float(fields["wall_s"])
+            busy += float(fields["busy_cpu_s"])
+    return busy / wall if wall > 0 else None
 
 
 def _comm_stats(steady: list[Any]) -> dict[str, float]:
@@ -132,10 +176,16 @@ def _per_rank_batch(config: dict[str, Any]) -> int | None:
 
 def _notes(run: Run) -> list[str]:
     notes = []
-    cores = run.environment.get("cores")
-    if cores and run.world_size > cores and run.config.get("cluster", {}).get("nnodes", 1) == 1:
-        notes.append(f"{run.world_size} ranks shared {cores} cores: wall times include oversubscription; "
-                     "speedups here show relative costs, not what separate devices would give")
+    if _oversubscribed(run):
+        ranks = run.world_size + run.environment.get("extra_ranks", 0)
+        notes.append(f"{ranks} ranks shared {run.environment.get('cores')} cores: wall times include "
+                     "oversubscription; comparisons use compute time from per-rank thread CPU time")
+    network = run.environment.get("network", {})
+    if network.get("emulated"):
+        scaled = f", scaled x1/{network['scale_factor']:.0f} to match {network.get('target_flops', 0):.3g} FLOP/s" \
+            if network.get("scaled") else ""
+        notes.append(f"network '{network['profile']}' emulated: alpha {network['alpha_s'] * 1e6:.0f} us, "
+                     f"{network['bandwidth_bytes_per_s'] * 8 / 1e9:.4g} Gbit/s per rank{scaled}")
     if run.shown_status != "finished":
         notes.append(f"run is {run.shown_status}: figures cover only the rows that were recorded")
     return notes

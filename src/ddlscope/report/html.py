@@ -284,6 +284,12 @@ def fmt_bytes(n: Any) -> str:
     return f"{n:.2f} GiB"
 
 
+def _memory_categories(memory: dict[int, dict[str, int]]) -> list[str]:
+    found = {c for cats in memory.values() for c in cats}
+    known = [c for c in (*figures.MEMORY_CATEGORIES, "peak_rss") if c in found]
+    return known + sorted(found - set(known))
+
+
 def _when(ts: float | None) -> str:
     import datetime as dt
 
@@ -364,8 +370,9 @@ def runs_report(store: Store, runs: list[Run], title: str) -> str:
         "fig_rank_breakdowns": [{"label": d.label, "uri": _fig_rank_breakdown(d)} for d in data if d.rank_breakdown],
         "fig_steps": figures.step_time_distribution({d.label: d.step_times_s for d in data}),
         "fig_memory": _fig_memory(data, "memory by category per rank"),
-        "memory": [{"label": d.label, "ranks": sorted(d.summary.memory_bytes_by_rank.items())} for d in data
-                   if d.summary.memory_bytes_by_rank],
+        "memory": [{"label": d.label, "ranks": sorted(d.summary.memory_bytes_by_rank.items()),
+                    "categories": _memory_categories(d.summary.memory_bytes_by_rank)}
+                   for d in data if d.summary.memory_bytes_by_rank],
         "fig_curves": _fig_curves(data),
         "ps": [{"label": d.label, "servers": d.servers, "mean_staleness": d.mean_staleness,
                 "updates": len(d.staleness)} for d in ps],
