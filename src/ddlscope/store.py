@@ -284,6 +284,10 @@ class Store:
     def count_steps(self, run_id: int) -> int:
         return self.conn.execute("SELECT COUNT(*) FROM steps WHERE run_id=?", (run_id,)).fetchone()[0]
 
+    def runs_named(self, name: str) -> list[Run]:
+        rows = self.conn.execute("SELECT * FROM runs WHERE name=? ORDER BY id DESC", (name,)).fetchall()
+        return [_run_from_row(r) for r in rows]
+
     def find_runs(self, *, workload: str, strategy: str, status: str = "finished") -> list[Run]:
         rows = self.conn.execute(
             "SELECT * FROM runs WHERE workload=? AND strategy=? AND status=? ORDER BY id DESC",

@@ -23,6 +23,11 @@ from ddlscope.predict.catalogue import NodeShape
 
 Algorithm = Literal["auto", "ring", "tree", "hierarchical"]
 
+# NCCL's pipelined double binary tree has the ring's bus bandwidth in theory;
+# nccl-tests put it ~10% lower for large messages, which is why NCCL keeps
+# the ring for them and the tree (log-depth latency) for small ones at scale.
+TREE_BANDWIDTH_PENALTY = 1.1
+
 
 def group_members_per_node(size: np.ndarray | int, stride: np.ndarray | int, gpus_per_node: int) -> np.ndarray:
     """Members of a group of `size` ranks `stride` apart that land on one node (ranks fill nodes in order)."""
@@ -57,7 +62,8 @@ def tree_all_reduce_s(size_bytes, n, per_node, node: NodeShape) -> np.ndarray:
     n = np.asarray(n, dtype=float)
     bw = ring_bandwidth_bytes_per_s(n, per_node, node)
     depth = np.ceil(np.log2(np.maximum(n, 1.0)))
-    t = 2 * depth * step_latency_s(n, per_node, node) + 2 * np.asarray(size_bytes, dtype=float) / bw
+    t = (2 * depth * step_latency_s(n, per_node, node)
+         + TREE_BANDWIDTH_PENALTY * 2 * np.asarray(size_bytes, dtype=float) / bw)
     return np.where(n > 1, t, 0.0)
 
 

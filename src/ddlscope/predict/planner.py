@@ -72,7 +72,8 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
     pair_i, b, zero, rc, sp, v, sched = (a.ravel() for a in axes)
     c = ConfigArrays(tp=tp[pair_i], pp=pp[pair_i], dp=n // (tp[pair_i] * pp[pair_i]), micro_batch=b, zero=zero,
                      recompute=rc, sequence_parallel=sp, interleave=v, schedule=sched)
-    return c.take(valid_mask(model, cluster, c))
+    distinct = (c.schedule == 0) | (c.pp > 1)  # without a pipeline GPipe and 1F1B are the same run
+    return c.take(valid_mask(model, cluster, c) & distinct)
 
 
 def _empty() -> ConfigArrays:
@@ -121,13 +122,20 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
 
 
 def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
-    """Indices (cluster k, config i) of the `count` best fitting configurations, ties broken by fewer GPUs."""
+    """Indices (cluster k, config i) of the `count` best fitting configurations.
+
+    Equal scores (to 1e-9 relative) go to the one needing less memory, then fewer GPUs.
+    """
     values = np.concatenate([np.where(out["fits"], out[key], np.inf) for _, _, out in scored])
+    memory = np.concatenate([out["memory_bytes"] for _, _, out in scored])
     owner = np.concatenate([np.full(len(out[key]), k) for k, (_, _, out) in enumerate(scored)])
     local = np.concatenate([np.arange(len(out[key])) for _, _, out in scored])
     count = min(count, int(np.isfinite(values).sum()))
-    best = np.argpartition(values, count - 1)[:count] if count < len(values) else np.arange(len(values))
-    best = best[np.lexsort((owner[best], values[best]))]
+    # take a generous slice by score, then order it with the tie-breaks
+    pool = min(len(values), count * 8)
+    best = np.argpartition(values, pool - 1)[:pool] if pool < len(values) else np.arange(len(values))
+    rounded = np.round(values[best] / values[best].min(), 9)
+    best = best[np.lexsort((owner[best], memory[best], rounded))]
     return [(int(owner[j]), int(local[j])) for j in best[:count]]
 
 
@@ -151,5 +159,8 @@ def _why(scored, winner: tuple[int, int], runner_up: tuple[int, int], key: str) 
         parts.append("more " + ", ".join(f"{TERM_LABELS[t]} (+{d:.3g} s)" for d, t in spends))
     if money and int(scored[kw][0].n_gpus) != int(scored[kr][0].n_gpus):
         parts.append(f"{scored[kw][0].n_gpus} vs {scored[kr][0].n_gpus} GPUs")
-    detail = "; ".join(parts) if parts else "same step time"
+    if not parts:
+        saved_gb = float(orr["memory_bytes"][ir] - ow["memory_bytes"][iw]) / 1e9
+        parts.append(f"same step time, {saved_gb:.3g} GB less memory per GPU" if saved_gb > 1e-6 else "same step time")
+    detail = "; ".join(parts)
     return f"{lead}: {detail}; {TERM_LABELS[dominant]} dominates its step"

@@ -94,7 +94,7 @@ def _num(v: Any) -> float:
 def _category_ticks(ax: Any, labels: Sequence[str]) -> None:
     ax.set_xticks(range(len(labels)))
     long = len(labels) > 4 or max((len(s) for s in labels), default=0) > 14
-    ax.set_xticklabels([_shorten(s) for s in labels], rotation=30 if long else 0, ha="right" if long else "center")
+    ax.set_xticklabels([_shorten(s, 36) for s in labels], rotation=30 if long else 0, ha="right" if long else "center")
     ax.grid(False, axis="x")
 
 
@@ -140,8 +140,11 @@ def _bytes_formatter() -> FuncFormatter:
 # ---------------------------------------------------------------------------- throughput / speedup
 @_styled
 def throughput_speedup(labels: Sequence[str], throughput: Sequence[float | None],
-                       speedup: Sequence[float | None]) -> str | None:
-    """Two bar charts side by side: samples/s per run, and speedup vs single (1x line)."""
+                       speedup: Sequence[float | None], groups: Sequence[str] | None = None) -> str | None:
+    """Two bar charts side by side: samples/s per run, and speedup vs single (1x line).
+
+    Bars of the same group (e.g. strategy) share a colour; without groups every bar has its own.
+    """
     tp = [_num(v) for v in throughput]
     sp = [_num(v) for v in speedup]
     if not labels or all(math.isnan(v) for v in tp):
@@ -152,9 +155,11 @@ def throughput_speedup(labels: Sequence[str], throughput: Sequence[float | None]
     panels = [(axes[0][0], tp, "throughput (samples/s)", "throughput")]
     if has_speedup:
         panels.append((axes[0][1], sp, "speedup vs single (x)", "speedup vs single"))
+    keys = list(groups) if groups is not None else list(range(len(labels)))
+    order = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    colors = [color(order[k]) for k in keys]
     for ax, values, ylabel, title in panels:
-        bars = ax.bar(range(len(labels)), [0 if math.isnan(v) else v for v in values],
-                      color=[color(i) for i in range(len(labels))], width=0.7)
+        bars = ax.bar(range(len(labels)), [0 if math.isnan(v) else v for v in values], color=colors, width=0.7)
         for bar, v in zip(bars, values):
             ax.annotate("n/a" if math.isnan(v) else _fmt(v) + ("x" if title.startswith("speedup") else ""),
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
@@ -378,7 +383,7 @@ def server_time_share(labels: Sequence[str], apply_share: Sequence[float | None]
             ax.annotate("n/a" if math.isnan(v) else f"{v:.0%}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
                         va="center", ha="left", fontsize=7, xytext=(3, 0), textcoords="offset points")
     ax.set_yticks(ys)
-    ax.set_yticklabels([_shorten(s, 36) for s in labels])
+    ax.set_yticklabels([_shorten(s, 48) for s in labels])
     ax.invert_yaxis()
     top = max([v for v in ap + cp if not math.isnan(v)] + [0.0])
     ax.set_xlim(0, max(1.0, top * 1.15))

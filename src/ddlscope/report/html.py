@@ -147,7 +147,8 @@ def _servers(updates: Sequence[Any], events: Sequence[Any]) -> list[dict[str, An
 # ---------------------------------------------------------------------------- figures from run data
 def _fig_throughput(data: Sequence[RunData]) -> str | None:
     return figures.throughput_speedup([d.label for d in data], [d.summary.throughput_samples_per_s for d in data],
-                                      [d.summary.speedup_vs_single for d in data])
+                                      [d.summary.speedup_vs_single for d in data],
+                                      groups=[d.run.strategy for d in data])
 
 
 def _fig_scaling(series: dict[str, dict[int, float]]) -> str | None:
@@ -198,7 +199,7 @@ def _fig_curves(data: Sequence[RunData], title: str | None = None, target: float
 def _fig_ps(data: Sequence[RunData]) -> tuple[str | None, str | None]:
     ps = [d for d in data if d.is_ps]
     stale = figures.staleness_histograms({d.label: d.staleness for d in ps})
-    rows = [(f"{d.label} (server rank {s['rank']})", s) for d in ps for s in d.servers]
+    rows = [(f"{d.label} · server r{s['rank']}", s) for d in ps for s in d.servers]
     share = figures.server_time_share([r[0] for r in rows], [r[1]["apply_share"] for r in rows],
                                       [r[1]["cpu_share"] for r in rows])
     return stale, share
@@ -236,13 +237,13 @@ def _config_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
     rows = []
     for key in chosen:
         values = [_show(f.get(key)) for f in flat]
-        rows.append({"key": key, "values": values, "differs": len(set(values)) > 1})
+        rows.append({"key": key, "cells": values, "differs": len(set(values)) > 1, "env": False})
     env_rows = [("host", [r.host for r in runs]), ("code version", [r.code_version for r in runs]),
                 ("cores", [_show(r.environment.get("cores")) for r in runs]),
                 ("torch", [_show(r.environment.get("torch")) for r in runs]),
                 ("network emulated", [_show((r.environment.get("network") or {}).get("emulated")) for r in runs])]
     for key, values in env_rows:
-        rows.append({"key": key, "values": values, "differs": len(set(values)) > 1, "env": True})
+        rows.append({"key": key, "cells": values, "differs": len(set(values)) > 1, "env": True})
     return rows
 
 
@@ -326,7 +327,7 @@ def _summary_row(d: RunData) -> dict[str, Any]:
     s = d.summary
     fe = s.final_eval
     return {
-        "label": d.label, "id": d.run.id, "name": d.run.name, "uuid": d.run.uuid, "strategy": d.run.strategy,
+        "label": d.label, "run_ref": run_label(d.run), "id": d.run.id, "name": d.run.name, "uuid": d.run.uuid, "strategy": d.run.strategy,
         "workload": d.run.workload, "world_size": d.run.world_size, "status": d.run.shown_status,
         "error": d.run.error, "steps": s.steps_recorded, "ranks": s.ranks_recorded, "step_s": s.mean_step_s,
         "throughput": s.throughput_samples_per_s, "speedup": s.speedup_vs_single, "efficiency": s.scaling_efficiency,

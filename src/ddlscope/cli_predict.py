@@ -1,0 +1,307 @@
+"""`ddlscope predict` and `ddlscope plan`: the performance model on the command line.
+
+`register(app)` adds both commands to a typer app. A configuration comes from
+flags, from a TOML file, or both (flags win):
+
+    cluster = "a100-80gb:280x8"
+    spot = false                  # price with spot instead of on-demand rates
+    [model]
+    name = "gpt"
+    hidden = 20480
+    heads = 128
+    layers = 105
+    seq = 2048
+    vocab = 51200
+    global_batch = 1920
+    attention = "unfused"         # or "flash" (default)
+    dtype = "bf16"                # bf16 | fp16 | fp32
+    ffn_hidden = 0                # 0: 4 x hidden
+    [parallel]                    # predict only; plan searches these
+    tp = 8
+    pp = 35
+    dp = 8                        # default: GPUs / (tp x pp)
+    micro_batch = 1
+    zero = 1
+    recompute = "full"            # none | selective | full
+    sequence_parallel = false
+    interleave = 1
+    schedule = "1f1b"             # or "gpipe"
+
+Bad input raises `ddlscope.specs.ConfigError`; the CLI's main() prints its
+one-line message and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ddlscope.specs import ConfigError
+
+console = Console()
+
+MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden")
+PARALLEL_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
+                 "overlap_grad_reduce", "bucket_mb")
+TOP_KEYS = ("cluster", "spot", "model", "parallel")
+MODELS = ("gpt",)
+REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
+
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="TOML file with cluster, [model] and [parallel]; flags override it.")]
+ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model family: gpt.")]
+HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Hidden size h.")]
+HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Attention heads a.")]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Transformer layers l.")]
+SeqOpt = Annotated[Optional[int], typer.Option("--seq", help="Sequence length s.")]
+VocabOpt = Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size V.")]
+GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step.")]
+AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (fused kernel) or unfused.")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")]
+SpotOpt = Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Price with spot rates.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `predict` and `plan` commands to `app`."""
+    app.command("predict")(predict_command)
+    app.command("plan")(plan_command)
+
+
+# ---------------------------------------------------------------------------- predict
+def predict_command(
+    config: ConfigArg = None,
+    cluster: ClusterOpt = None,
+    model: ModelOpt = None,
+    hidden: HiddenOpt = None,
+    heads: HeadsOpt = None,
+    layers: LayersOpt = None,
+    seq: SeqOpt = None,
+    vocab: VocabOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="Sequences per micro-batch.")] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size.")] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="Pipeline stages.")] = None,
+    dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size (default GPUs / (tp x pp)).")] = None,
+    recompute: Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.")] = None,
+    zero: Annotated[Optional[int], typer.Option("--zero", help="ZeRO stage 0-3 (3 = FSDP full shard).")] = None,
+    sequence_parallel: Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel",
+                                                              help="Megatron sequence parallelism (needs tp > 1).")] = None,
+    interleave: Annotated[Optional[int], typer.Option("--interleave", help="Model chunks per pipeline stage.")] = None,
+    schedule: Annotated[Optional[str], typer.Option("--schedule", help="1f1b or gpipe.")] = None,
+    attention: AttentionOpt = None,
+    dtype: DtypeOpt = None,
+    spot: SpotOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""
+    from ddlscope.predict import parse_cluster, predict
+
+    raw = _read_config(config)
+    model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
+                        layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
+                        dtype=dtype)
+    parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
+                           micro_batch=micro_batch, zero=zero, recompute=recompute,
+                           sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule)
+    the_cluster = parse_cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"))
+    spec = _model_spec(model_raw)
+    parallel = _parallel_spec(parallel_raw, the_cluster.n_gpus)
+    use_spot = bool(spot if spot is not None else raw.get("spot", False))
+    result = predict(spec, parallel, the_cluster, spot=use_spot)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+    else:
+        _print_prediction(result, parallel.label(), use_spot)
+
+
+# ---------------------------------------------------------------------------- plan
+def plan_command(
+    config: ConfigArg = None,
+    cluster: ClusterOpt = None,
+    model: ModelOpt = None,
+    hidden: HiddenOpt = None,
+    heads: HeadsOpt = None,
+    layers: LayersOpt = None,
+    seq: SeqOpt = None,
+    vocab: VocabOpt = None,
+    global_batch: GlobalBatchOpt = None,
+    attention: AttentionOpt = None,
+    dtype: DtypeOpt = None,
+    by: Annotated[str, typer.Option("--by", help="Rank by step time or by cost per step.")] = "time",
+    top: Annotated[int, typer.Option("--top", help="How many configurations to show.")] = 5,
+    max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
+    spot: SpotOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Search every valid TP x PP x DP x micro-batch x ZeRO x recompute x SP x interleave configuration; rank those that fit."""
+    from ddlscope.predict import parse_cluster
+    from ddlscope.predict.planner import plan
+
+    raw = _read_config(config)
+    model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
+                        layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
+                        dtype=dtype)
+    _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS)  # checked, then searched over
+    if by not in ("time", "cost"):
+        raise ConfigError(f"--by = {by!r}: allowed: time, cost")
+    if max_micro_batch < 1:
+        raise ConfigError(f"--max-micro-batch = {max_micro_batch}: must be >= 1")
+    the_cluster = parse_cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"))
+    spec = _model_spec(model_raw)
+    use_spot = bool(spot if spot is not None else raw.get("spot", False))
+    result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch)
+    if as_json:
+        print(json.dumps({
+            "cluster": result.cluster, "by": result.rank_by, "evaluated": result.evaluated,
+            "feasible": result.feasible, "search_s": result.search_s, "configs_per_s": result.configs_per_s,
+            "top": [{"rank": r.rank, "why": r.why, **r.prediction.to_dict()} for r in result.rows]}))
+        return
+    _print_plan(result)
+
+
+# ---------------------------------------------------------------------------- input
+def _read_config(path: Optional[Path]) -> dict[str, Any]:
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {' '.join(str(exc).split())}") from None
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]} = {raw[unknown[0]]!r}: unknown field; allowed: {', '.join(TOP_KEYS)}")
+    for section in ("model", "parallel"):
+        if section in raw and not isinstance(raw[section], dict):
+            raise ConfigError(f"{section} = {raw[section]!r}: must be a table ([{section}])")
+    return raw
+
+
+def _merged(section: dict[str, Any], section_name: str, allowed: tuple[str, ...], **flags: Any) -> dict[str, Any]:
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{section_name}.{unknown[0]} = {section[unknown[0]]!r}: unknown field; "
+                          f"allowed: {', '.join(allowed)}")
+    merged = dict(section)
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    return merged
+
+
+def _required(value: Any, what: str) -> Any:
+    if value is None:
+        raise ConfigError(f"missing {what}")
+    return value
+
+
+def _model_spec(raw: dict[str, Any]):
+    from ddlscope.predict import ModelSpec
+
+    name = raw.get("name", "gpt")
+    if name not in MODELS:
+        raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}")
+    for key in REQUIRED_MODEL_KEYS:
+        _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
+    kwargs = {k: raw[k] for k in MODEL_KEYS if k in raw}
+    for key in (*REQUIRED_MODEL_KEYS, "ffn_hidden"):
+        if key in kwargs:
+            kwargs[key] = _int(kwargs[key], f"model.{key}", minimum=0 if key == "ffn_hidden" else 1)
+    attention = kwargs.get("attention", "flash")
+    if attention not in ("flash", "unfused"):
+        raise ConfigError(f"--attention = {attention!r}: allowed: flash, unfused")
+    dtype = kwargs.get("dtype", "bf16")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"--dtype = {dtype!r}: allowed: bf16, fp16, fp32")
+    return ModelSpec(**kwargs)
+
+
+def _parallel_spec(raw: dict[str, Any], n_gpus: int):
+    from ddlscope.predict import ParallelSpec
+    from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES
+
+    kwargs = {k: raw[k] for k in PARALLEL_KEYS if k in raw}
+    for key in ("tp", "pp", "dp", "micro_batch", "interleave"):
+        if key in kwargs:
+            kwargs[key] = _int(kwargs[key], f"--{key.replace('_', '-')}", minimum=1)
+    if "zero" in kwargs:
+        kwargs["zero"] = _int(kwargs["zero"], "--zero", minimum=0)
+        if kwargs["zero"] not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero = {kwargs['zero']}: allowed: 0, 1, 2, 3")
+    recompute = kwargs.get("recompute", "none")
+    if recompute not in RECOMPUTE_CODES:
+        raise ConfigError(f"--recompute = {recompute!r}: allowed: {', '.join(RECOMPUTE_CODES)}")
+    schedule = kwargs.get("schedule", "1f1b")
+    if schedule not in SCHEDULE_CODES:
+        raise ConfigError(f"--schedule = {schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
+    for key in ("sequence_parallel", "overlap_grad_reduce"):
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            raise ConfigError(f"parallel.{key} = {kwargs[key]!r}: must be true or false")
+    if "dp" not in kwargs:
+        tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
+        if n_gpus % (tp * pp):
+            raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp}: must divide the cluster's {n_gpus} GPUs")
+        kwargs["dp"] = n_gpus // (tp * pp)
+    known = {f.name for f in fields(ParallelSpec)}
+    return ParallelSpec(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} = {value!r}: must be an integer")
+    if value < minimum:
+        raise ConfigError(f"{name} = {value}: must be >= {minimum}")
+    return value
+
+
+# ---------------------------------------------------------------------------- output
+def _print_prediction(p: Any, label: str, spot: bool) -> None:
+    console.print(f"[bold]{p.cluster}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
+    head = Table(show_header=False, box=None, pad_edge=False)
+    head.add_row("step time", f"{p.step_time_s:.4g} s")
+    head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU (with recomputation), "
+                 f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    head.add_row("memory", f"{p.memory_gb_per_gpu:.1f} GB on the fullest GPU of {p.memory_capacity_gb:.1f} GB: "
+                 + ("[green]fits[/green]" if p.fits else "[red]does not fit[/red]"))
+    head.add_row("energy", f"{p.energy_kwh_per_step:.4g} kWh per step (GPUs at board power)")
+    head.add_row("cost", f"${p.cost_usd_per_step:.4g} per step ({'spot' if spot else 'on-demand'})")
+    console.print(head)
+    bt = Table("term", "seconds", "share", title="step breakdown (slowest pipeline stage)")
+    for term, secs in p.breakdown_s.items():
+        if term == "recompute_included":
+            continue
+        bt.add_row(term, f"{secs:.4g}", f"{secs / p.step_time_s:.1%}")
+    bt.add_row("(recomputation, inside compute)", f"{p.breakdown_s['recompute_included']:.4g}", "")
+    console.print(bt)
+    mt = Table("memory", "GB", title="memory on the fullest GPU")
+    for term, gb in p.memory_breakdown_gb.items():
+        mt.add_row(term, f"{gb:.2f}")
+    console.print(mt)
+
+
+def _print_plan(result: Any) -> None:
+    console.print(f"[bold]{result.cluster}[/bold]: {result.evaluated:,} valid configurations scored in "
+                  f"{result.search_s * 1e3:.1f} ms ({result.configs_per_s:,.0f}/s), {result.feasible:,} fit; "
+                  f"ranked by {result.rank_by}")
+    if not result.rows:
+        console.print("[red]no configuration fits in memory[/red]")
+        return
+    table = Table("#", "TP", "PP", "DP", "mb", "ZeRO", "recompute", "SP", "v", "sched", "GPUs", "step s",
+                  "TFLOP/s", "MFU", "mem GB", "$/step")
+    for r in result.rows:
+        p, q = r.prediction, r.prediction.parallel
+        gpus = q["tp"] * q["pp"] * q["dp"]
+        table.add_row(str(r.rank), str(q["tp"]), str(q["pp"]), str(q["dp"]), str(q["micro_batch"]), str(q["zero"]),
+                      q["recompute"], "y" if q["sequence_parallel"] else "", str(q["interleave"]), q["schedule"],
+                      str(gpus), f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
+                      f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
+    console.print(table)
+    for r in result.rows:
+        console.print(f"#{r.rank} {r.why}")

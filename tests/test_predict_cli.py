@@ -1,0 +1,149 @@
+"""`ddlscope predict` / `ddlscope plan` through `ddlscope.cli_predict.register` on a fresh typer app."""
+
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from ddlscope import cli
+from ddlscope.cli_predict import register
+from ddlscope.specs import ConfigError
+
+FLAGS = ("predict --cluster a100-80gb:8x8 --model gpt --hidden 3072 --heads 32 --layers 30 --seq 2048 --vocab 51200 "
+         "--global-batch 512 --micro-batch 8 --tp 1 --pp 1 --dp 64 --recompute full --zero 0").split()
+REQUIRED_KEYS = {"step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu", "memory_breakdown_gb", "fits",
+                 "energy_kwh_per_step", "cost_usd_per_step", "breakdown_s"}
+
+
+@pytest.fixture
+def app():
+    fresh = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+    register(fresh)
+    return fresh
+
+
+@pytest.fixture
+def run(app):
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(app, list(args), terminal_width=200)
+
+    return invoke
+
+
+@pytest.fixture
+def main(app, monkeypatch, capsys):
+    """cli.main() over the fresh app: ConfigError -> one line on stderr, status 2."""
+    monkeypatch.setattr(cli, "app", app)
+
+    def call(*args: str):
+        code = cli.main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return call
+
+
+def test_flag_form_prints_one_json_object(run):
+    result = run(*FLAGS, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert REQUIRED_KEYS <= set(data)
+    assert isinstance(data["memory_gb_per_gpu"], float) and isinstance(data["fits"], bool)
+    assert set(data["memory_breakdown_gb"]) == {"parameters", "gradients", "optimizer", "activations", "other"}
+    assert {"compute", "tp_comm", "pp_p2p", "dp_grad_sync", "bubble"} <= set(data["breakdown_s"])
+    assert 0 < data["mfu"] < 1 and data["tflops_per_gpu"] > data["mfu"] * 312  # recompute counted in TFLOP/s
+
+
+def test_all_flags_of_the_issue(run):
+    args = [a for a in FLAGS]
+    args[args.index("--tp") + 1], args[args.index("--pp") + 1], args[args.index("--dp") + 1] = "2", "2", "16"
+    args[args.index("--recompute") + 1], args[args.index("--zero") + 1] = "selective", "1"
+    result = run(*args, "--sequence-parallel", "--interleave", "3", "--micro-batch", "1", "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["parallel"]["sequence_parallel"] is True and data["parallel"]["interleave"] == 3
+
+
+def test_readable_table(run):
+    result = run(*FLAGS)
+    assert result.exit_code == 0, result.output
+    for word in ("step time", "MFU", "fits", "bubble", "activations", "kWh"):
+        assert word in result.output
+
+
+def test_toml_config_form_and_flags_override_it(run, tmp_path):
+    cfg = tmp_path / "gpt.toml"
+    cfg.write_text('cluster = "a100-80gb:8x8"\n[model]\nname = "gpt"\nhidden = 3072\nheads = 32\nlayers = 30\n'
+                   'seq = 2048\nvocab = 51200\nglobal_batch = 512\n[parallel]\ntp = 2\npp = 1\nmicro_batch = 4\n'
+                   'recompute = "selective"\nzero = 1\nsequence_parallel = true\n')
+    from_file = json.loads(run("predict", str(cfg), "--json").output)
+    assert from_file["parallel"]["tp"] == 2 and from_file["parallel"]["dp"] == 32  # dp defaults to GPUs/(tp pp)
+    overridden = json.loads(run("predict", str(cfg), "--tp", "4", "--json").output)
+    assert overridden["parallel"]["tp"] == 4 and overridden["parallel"]["dp"] == 16
+    planned = run("plan", str(cfg), "--top", "3", "--json")
+    assert planned.exit_code == 0, planned.output
+    assert len(json.loads(planned.output)["top"]) == 3
+
+
+def test_plan_table_and_json(run):
+    args = ("plan --cluster a100-80gb:8x8 --model gpt --hidden 3072 --heads 32 --layers 30 --seq 2048 "
+            "--vocab 51200 --global-batch 512").split()
+    table = run(*args, "--top", "3")
+    assert table.exit_code == 0, table.output
+    assert "#1" in table.output and "beats next" in table.output
+    data = json.loads(run(*args, "--by", "cost", "--json").output)
+    assert data["by"] == "cost" and data["evaluated"] > 0 and len(data["top"]) == 5
+    assert [r["rank"] for r in data["top"]] == [1, 2, 3, 4, 5]
+
+
+BAD = {
+    "gpus mismatch": (["--dp", "8"], "tp x pp x dp"),
+    "odd tp, wrong product": (["--tp", "3", "--dp", "21"], "tp x pp x dp"),
+    "heads % tp": (["--tp", "64", "--dp", "1"], "heads"),
+    "layers % pp": (["--pp", "4", "--dp", "16"], "layers"),
+    "batch": (["--micro-batch", "3"], "global_batch"),
+    "recompute": (["--recompute", "some"], "recompute"),
+    "zero": (["--zero", "4"], "zero"),
+    "interleave without pp": (["--interleave", "2"], "interleave"),
+    "cluster string": (["--cluster", "a100:lots"], "cluster"),
+    "unknown cluster": (["--cluster", "tpu-v4:8x8"], "tpu-v4"),
+    "model": (["--model", "bert"], "model"),
+    "sp without tp": (["--sequence-parallel"], "sequence_parallel"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_on_stderr_and_exit_2(main, case):
+    extra, needle = BAD[case]
+    args = list(FLAGS)
+    for flag, value in zip(extra[::2], extra[1::2]) if len(extra) > 1 else []:
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    if len(extra) == 1:
+        args += extra
+    code, out, err = main(*args, "--json")
+    assert code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert needle in lines[0] and "Traceback" not in err
+
+
+def test_missing_model_field_and_bad_file(main, tmp_path):
+    code, _, err = main("predict", "--cluster", "h100:1x8", "--hidden", "1024")
+    assert code == 2 and "--heads" in err
+    (tmp_path / "bad.toml").write_text("[model\nhidden = 1\n")
+    code, _, err = main("predict", str(tmp_path / "bad.toml"))
+    assert code == 2 and "not valid TOML" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "extra.toml").write_text('cluster = "h100:1x8"\n[model]\nhidden = 1024\nwidth = 3\n')
+    code, _, err = main("predict", str(tmp_path / "extra.toml"))
+    assert code == 2 and "model.width" in err and "allowed" in err
+
+
+def test_config_errors_are_value_errors(run):
+    result = run("predict", "--cluster", "nope")
+    assert isinstance(result.exception, ConfigError) and isinstance(result.exception, ValueError)
