@@ -227,7 +227,8 @@ def test_mechanisms_point_the_right_way():
     none, sel, full = p(recompute="none"), p(recompute="selective"), p(recompute="full")
     assert full.step_time_s > sel.step_time_s >= none.step_time_s
     assert full.memory_breakdown_gb["activations"] < none.memory_breakdown_gb["activations"]
-    assert p(zero=3).memory_gb_per_gpu < p(zero=2).memory_gb_per_gpu < p(zero=1).memory_gb_per_gpu < p(zero=0).memory_gb_per_gpu
+    by_stage = [p(zero=z).memory_gb_per_gpu for z in (0, 1, 2, 3)]
+    assert by_stage == sorted(by_stage, reverse=True) and len(set(by_stage)) == 4
     assert p(sequence_parallel=True).memory_breakdown_gb["activations"] < none.memory_breakdown_gb["activations"]
     assert p(interleave=2).bubble_fraction == pytest.approx(none.bubble_fraction / 2)
     assert p(schedule="gpipe").memory_breakdown_gb["activations"] > none.memory_breakdown_gb["activations"]

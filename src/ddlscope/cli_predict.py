@@ -16,6 +16,8 @@ flags, from a TOML file, or both (flags win):
     attention = "unfused"         # or "flash" (default)
     dtype = "bf16"                # bf16 | fp16 | fp32
     ffn_hidden = 0                # 0: 4 x hidden
+    kv_heads = 0                  # 0: = heads; fewer = grouped-query attention
+    gated_mlp = false             # true: SwiGLU MLP (Llama)
     [parallel]                    # predict only; plan searches these
     tp = 8
     pp = 35
@@ -47,14 +49,16 @@ from ddlscope.specs import ConfigError
 
 console = Console()
 
-MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden")
+MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden",
+              "kv_heads", "gated_mlp")
 PARALLEL_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
                  "overlap_grad_reduce", "bucket_mb")
 TOP_KEYS = ("cluster", "spot", "model", "parallel")
 MODELS = ("gpt",)
 REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="TOML file with cluster, [model] and [parallel]; flags override it.")]
+ConfigArg = Annotated[Optional[Path], typer.Argument(
+    help="TOML file with cluster, [model] and [parallel]; flags override it.")]
 ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model family: gpt.")]
 HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Hidden size h.")]
@@ -65,6 +69,9 @@ VocabOpt = Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary siz
 GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step.")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (fused kernel) or unfused.")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")]
+FfnOpt = Annotated[Optional[int], typer.Option("--ffn-hidden", help="MLP width (default 4 x hidden).")]
+KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", help="Key/value heads (grouped-query attention).")]
+GatedOpt = Annotated[Optional[bool], typer.Option("--gated-mlp/--plain-mlp", help="SwiGLU MLP (Llama) or GeLU (GPT).")]
 SpotOpt = Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Price with spot rates.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
@@ -98,6 +105,9 @@ def predict_command(
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="1f1b or gpipe.")] = None,
     attention: AttentionOpt = None,
     dtype: DtypeOpt = None,
+    ffn_hidden: FfnOpt = None,
+    kv_heads: KvHeadsOpt = None,
+    gated_mlp: GatedOpt = None,
     spot: SpotOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -107,7 +117,7 @@ def predict_command(
     raw = _read_config(config)
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
                         layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
-                        dtype=dtype)
+                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp)
     parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
                            sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule)
@@ -135,20 +145,23 @@ def plan_command(
     global_batch: GlobalBatchOpt = None,
     attention: AttentionOpt = None,
     dtype: DtypeOpt = None,
+    ffn_hidden: FfnOpt = None,
+    kv_heads: KvHeadsOpt = None,
+    gated_mlp: GatedOpt = None,
     by: Annotated[str, typer.Option("--by", help="Rank by step time or by cost per step.")] = "time",
     top: Annotated[int, typer.Option("--top", help="How many configurations to show.")] = 5,
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Search every valid TP x PP x DP x micro-batch x ZeRO x recompute x SP x interleave configuration; rank those that fit."""
+    """Search every valid TP x PP x DP x micro-batch x ZeRO x recompute x SP x interleave config; rank those that fit."""
     from ddlscope.predict import parse_cluster
     from ddlscope.predict.planner import plan
 
     raw = _read_config(config)
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
                         layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
-                        dtype=dtype)
+                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp)
     _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS)  # checked, then searched over
     if by not in ("time", "cost"):
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
@@ -211,9 +224,11 @@ def _model_spec(raw: dict[str, Any]):
     for key in REQUIRED_MODEL_KEYS:
         _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
     kwargs = {k: raw[k] for k in MODEL_KEYS if k in raw}
-    for key in (*REQUIRED_MODEL_KEYS, "ffn_hidden"):
+    for key in (*REQUIRED_MODEL_KEYS, "ffn_hidden", "kv_heads"):
         if key in kwargs:
-            kwargs[key] = _int(kwargs[key], f"model.{key}", minimum=0 if key == "ffn_hidden" else 1)
+            kwargs[key] = _int(kwargs[key], f"model.{key}", minimum=0 if key in ("ffn_hidden", "kv_heads") else 1)
+    if "gated_mlp" in kwargs and not isinstance(kwargs["gated_mlp"], bool):
+        raise ConfigError(f"model.gated_mlp = {kwargs['gated_mlp']!r}: must be true or false")
     attention = kwargs.get("attention", "flash")
     if attention not in ("flash", "unfused"):
         raise ConfigError(f"--attention = {attention!r}: allowed: flash, unfused")
@@ -268,7 +283,8 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
     head.add_row("step time", f"{p.step_time_s:.4g} s")
     head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU (with recomputation), "
                  f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
-    head.add_row("memory", f"{p.memory_gb_per_gpu:.1f} GB on the fullest GPU of {p.memory_capacity_gb:.1f} GB: "
+    head.add_row("memory", f"{p.memory_gb_per_gpu:.1f} GB on the fullest GPU of {p.memory_capacity_gb:.1f} GB "
+                 f"({p.memory_capacity_gb * 1e9 / 2**30:.0f} GiB): "
                  + ("[green]fits[/green]" if p.fits else "[red]does not fit[/red]"))
     head.add_row("energy", f"{p.energy_kwh_per_step:.4g} kWh per step (GPUs at board power)")
     head.add_row("cost", f"${p.cost_usd_per_step:.4g} per step ({'spot' if spot else 'on-demand'})")

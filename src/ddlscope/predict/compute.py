@@ -71,10 +71,9 @@ def megatron_flops_per_iteration(batch, seq, layers, hidden, vocab, recompute: s
 def model_flops_per_iteration(model: ModelSpec, batch=None):
     """FLOPs of one step without recomputation (MFU's numerator, PaLM's definition), any MLP width."""
     b = np.asarray(model.global_batch if batch is None else batch, dtype=float)
-    s, l, h, f, v = model.seq, model.layers, model.hidden, model.ffn, model.vocab
-    dense_per_token = 2 * (4 * h * h + 2 * h * f)  # forward GEMM FLOPs per token per layer
+    s, l, h, v = model.seq, model.layers, model.hidden, model.vocab
     attention_per_seq = 4 * s * s * h  # QK^T and AV, forward, per layer
-    forward = b * (s * l * dense_per_token + l * attention_per_seq + 2 * s * h * v)
+    forward = b * (s * l * model.dense_flops_per_token + l * attention_per_seq + 2 * s * h * v)
     return 3 * forward
 
 
@@ -84,8 +83,8 @@ def hardware_flops_per_iteration(model: ModelSpec, recompute_code, batch=None):
     `recompute_code`: 0 none, 1 selective (attention core), 2 full (every layer's forward).
     """
     b = np.asarray(model.global_batch if batch is None else batch, dtype=float)
-    s, l, h, f = model.seq, model.layers, model.hidden, model.ffn
-    layer_forward = b * l * (s * 2 * (4 * h * h + 2 * h * f) + 4 * s * s * h)
+    s, l, h = model.seq, model.layers, model.hidden
+    layer_forward = b * l * (s * model.dense_flops_per_token + 4 * s * s * h)
     attention_forward = b * l * 4 * s * s * h
     code = np.asarray(recompute_code)
     extra = np.where(code == 2, layer_forward, np.where(code == 1, attention_forward, 0.0))
@@ -138,10 +137,11 @@ def layer_gemm_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_f
     tokens = np.asarray(micro_batch, dtype=float) * model.seq
     tp = np.asarray(tp, dtype=float)
     h, f = model.hidden, model.ffn
-    shapes = ((3 * h / tp, h),   # QKV, column-parallel
-              (h, h / tp),       # attention output projection, row-parallel
-              (f / tp, h),       # MLP up, column-parallel
-              (h, f / tp))       # MLP down, row-parallel
+    up = (model.mlp_matrices - 1) * f  # gate and up projections fused for SwiGLU
+    shapes = ((model.qkv_width / tp, h),  # QKV, column-parallel
+              (h, h / tp),                # attention output projection, row-parallel
+              (up / tp, h),               # MLP up, column-parallel
+              (h, f / tp))                # MLP down, row-parallel
     forward = sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
     backward = sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
     return forward, backward
@@ -179,7 +179,9 @@ def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parall
     tp = np.asarray(tp, dtype=float)
     elements = np.asarray(micro_batch, dtype=float) * model.seq * model.hidden * (model.activation_bytes / 2)
     replicated = ELEMENTWISE_REPLICATED_BYTES * elements / np.where(np.asarray(sequence_parallel), tp, 1.0)
-    mlp = ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO * (model.ffn / model.hidden) * elements / tp
+    # GeLU reads and writes f wide (4 bytes per f/h); SwiGLU reads two and writes one (6)
+    per_ratio = ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO + (2 if model.gated_mlp else 0)
+    mlp = per_ratio * (model.ffn / model.hidden) * elements / tp
     forward_bytes = replicated + mlp
     return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
 

@@ -45,14 +45,18 @@ def activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp=1, sequence_p
 
 
 def activation_bytes_per_layer_coded(seq, micro_batch, hidden, heads, tp, sequence_parallel, recompute_code,
-                                     ffn_ratio: float = 4.0, attention_scores_stored: bool = True):
+                                     ffn_ratio: float = 4.0, attention_scores_stored: bool = True,
+                                     kv_fraction: float = 1.0, gated_mlp: bool = False):
     """`activation_bytes_per_layer` with recompute as 0/1/2 and array arguments.
 
     The 34 splits into 10 s b h that tensor parallelism leaves replicated
     (layer-norm outputs, two dropout masks, the inputs of the QKV and first
-    MLP GEMMs) and 24 s b h it divides (for an MLP 4h wide; 8 + 4 f/h in
-    general). The 5 a s / h term is the attention scores, softmax and
-    dropout; FlashAttention never stores them (`attention_scores_stored=False`).
+    MLP GEMMs) and 24 s b h it divides: queries and keys 4, values 2, the
+    projection's input 2, the MLP's two f-wide activations 4 f/h (16 for
+    f = 4h). Grouped-query attention shrinks keys and values by
+    `kv_fraction`; SwiGLU keeps gate, up and product (6 f/h). The 5 a s / h
+    term is the attention scores, softmax and dropout; FlashAttention never
+    stores them (`attention_scores_stored=False`).
     """
     s, b, h, a = (np.asarray(x, dtype=float) for x in (seq, micro_batch, hidden, heads))
     t = np.asarray(tp, dtype=float)
@@ -60,7 +64,7 @@ def activation_bytes_per_layer_coded(seq, micro_batch, hidden, heads, tp, sequen
     code = np.asarray(recompute_code)
     sbh = s * b * h
     replicated = 10.0
-    divided = 8.0 + 4.0 * ffn_ratio
+    divided = 4.0 + 4.0 * kv_fraction + (6.0 if gated_mlp else 4.0) * ffn_ratio
     scores = 5.0 * a * s / h if attention_scores_stored else 0.0 * a
     keep_scores = np.where(code >= 1, 0.0, scores)  # selective and full both drop them
     without_sp = sbh * (replicated + divided / t + keep_scores / t)

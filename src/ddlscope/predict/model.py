@@ -89,7 +89,8 @@ def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarra
     """Configurations Megatron-LM-style training can run (same rules as `validate`)."""
     t, p, d, b, v = c.tp, c.pp, c.dp, c.micro_batch, c.interleave
     ok = (t * p * d == cluster.n_gpus) & (t >= 1) & (p >= 1) & (d >= 1) & (b >= 1) & (v >= 1)
-    ok &= (model.heads % t == 0) & (model.layers % p == 0) & (model.global_batch % (d * b) == 0)
+    ok &= (model.heads % t == 0) & (model.kv % t == 0) & (model.layers % p == 0)
+    ok &= model.global_batch % (d * b) == 0
     ok &= (model.layers % (p * v) == 0)
     m = model.global_batch // np.maximum(d * b, 1)
     # Interleaving needs a pipeline and (in Megatron-LM) m divisible by p.
@@ -99,162 +100,192 @@ def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarra
     return ok
 
 
+@dataclass
+class _Shape:
+    """The configuration arrays as floats, plus what follows from them."""
+
+    t: np.ndarray  # tensor-parallel size
+    p: np.ndarray  # pipeline stages
+    d: np.ndarray  # data-parallel size
+    b: np.ndarray  # micro-batch
+    v: np.ndarray  # chunks per stage
+    sp: np.ndarray  # sequence parallel (bool)
+    recompute: np.ndarray  # 0 none, 1 selective, 2 full
+    zero: np.ndarray
+    schedule: np.ndarray  # 0 1F1B, 1 GPipe
+    m: np.ndarray  # micro-batches per step
+    layers_per_stage: np.ndarray
+    single_stage: np.ndarray
+
+    @classmethod
+    def of(cls, model: ModelSpec, c: ConfigArrays) -> "_Shape":
+        t, p, d, b, v = (np.asarray(x, dtype=float) for x in (c.tp, c.pp, c.dp, c.micro_batch, c.interleave))
+        return cls(t=t, p=p, d=d, b=b, v=v, sp=np.asarray(c.sequence_parallel, dtype=bool),
+                   recompute=np.asarray(c.recompute), zero=np.asarray(c.zero), schedule=np.asarray(c.schedule),
+                   m=model.global_batch / (d * b), layers_per_stage=model.layers / p, single_stage=p == 1)
+
+
+def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float):
+    """(forward, backward, recomputed) seconds of one layer, one micro-batch, one GPU, no communication."""
+    dev = cluster.device
+    gemm_f, gemm_b = compute.layer_gemm_times_s(model, x.b, x.t, dev, peak)
+    attn_f, attn_b = compute.attention_core_times_s(model, x.b, x.t, dev, peak)
+    elem_f, elem_b = compute.layer_elementwise_times_s(model, x.b, x.t, x.sp, dev)
+    gap_f, gap_b = compute.kernel_gaps_s(dev)
+    forward = gemm_f + attn_f + elem_f + gap_f
+    backward = gemm_b + attn_b + elem_b + gap_b
+    recomputed = np.where(x.recompute == 2, forward, np.where(x.recompute == 1, attn_f, 0.0))
+    return forward, backward, recomputed
+
+
+def _tensor_parallel_pair_s(model: ModelSpec, cluster: Cluster, x: _Shape):
+    """One of Megatron's f/g collectives on the b x s x h activation; with SP a reduce-scatter + all-gather."""
+    act_bytes = x.b * model.seq * model.hidden * model.activation_bytes
+    local = coll.group_members_per_node(x.t, 1, cluster.gpus_per_node)
+    node = cluster.node
+    split = coll.reduce_scatter_s(act_bytes, x.t, local, node) + coll.all_gather_s(act_bytes, x.t, local, node)
+    return np.where(x.sp, split, coll.all_reduce_s(act_bytes, x.t, local, node))
+
+
+def _stage_params(model: ModelSpec, x: _Shape):
+    """Parameters on one GPU of the first and of the last stage (the tied embedding has a copy on the last)."""
+    h = model.hidden
+    layers_here = x.layers_per_stage * model.layer_params / x.t
+    embedding_here = model.vocab * h / x.t
+    first = layers_here + embedding_here + model.seq * h + np.where(x.single_stage, 2 * h, 0.0)
+    last = np.where(x.single_stage, first, layers_here + embedding_here + 2 * h)
+    return first, last, embedding_here
+
+
+def _zero_in_step_s(cluster: Cluster, x: _Shape, params, compute_f, compute_b, bucket_mb: float):
+    """ZeRO-2/3 traffic per micro-batch that compute could not hide."""
+    node, local = cluster.node, coll.group_members_per_node(x.d, x.t, cluster.gpus_per_node)
+    shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
+    gather = coll.all_gather_s(shard_bytes, x.d, local, node)
+    scatter = coll.reduce_scatter_s(shard_bytes, x.d, local, node)
+    # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
+    # except the first unit's; backward gathers again and reduce-scatters gradients.
+    stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
+              + np.maximum(gather + scatter - compute_b, 0.0))
+    # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
+    latency = coll.reduce_scatter_s(0.0, x.d, local, node)
+    stage2 = coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
+    return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
+
+
+def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: ConfigArrays):
+    """End-of-step gradient sync left to do after the last micro-batch (what ZeRO-2/3 did not do already)."""
+    node, local = cluster.node, coll.group_members_per_node(x.d, x.t, cluster.gpus_per_node)
+    grad_bytes = params * memory.GRAD_BYTES_PER_PARAM
+    all_reduce = coll.all_reduce_s(grad_bytes, x.d, local, node)
+    scatter = coll.reduce_scatter_s(grad_bytes, x.d, local, node)
+    gather = coll.all_gather_s(params * memory.WEIGHT_BYTES_PER_PARAM, x.d, local, node)
+    reduce = np.where(x.zero == 0, all_reduce, scatter)
+    if c.overlap_grad_reduce:  # buckets go out while the last micro-batch's backward runs
+        latency = np.where(x.zero == 0, coll.all_reduce_s(0.0, x.d, local, node),
+                           coll.reduce_scatter_s(0.0, x.d, local, node))
+        reduce = coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
+                                                 backward_s)
+    return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
+
+
+def _activation_bytes(model: ModelSpec, x: _Shape):
+    """Activations held at the peak by the first and by the last stage."""
+    s, b, h = model.seq, x.b, model.hidden
+    shape = dict(ffn_ratio=model.ffn / h, attention_scores_stored=model.attention == "unfused",
+                 kv_fraction=model.kv / model.heads, gated_mlp=model.gated_mlp)
+    per_layer = memory.activation_bytes_per_layer_coded(s, b, h, model.heads, x.t, x.sp, x.recompute, **shape)
+    per_layer_whole = memory.activation_bytes_per_layer_coded(s, b, h, model.heads, x.t, x.sp, 0, **shape)
+    working_set = per_layer_whole - per_layer  # one layer rematerialised during its backward
+    lps = x.layers_per_stage
+    first_in_flight = memory.in_flight_layer_microbatches(lps, x.p, x.m, x.v, x.schedule)
+    last_chunks = np.minimum(x.m * x.v, (x.v - 1) * x.p + 1)  # the last stage warms up least
+    last_in_flight = np.where(x.schedule == 1, lps * x.m, lps * last_chunks / x.v)
+    output = memory.output_layer_activation_bytes(s, b, model.vocab, x.t)
+    first = (per_layer * first_in_flight + working_set + memory.embedding_activation_bytes(s, b, h, first_in_flight / lps)
+             + np.where(x.single_stage, output, 0.0))
+    last = np.where(x.single_stage, first, per_layer * last_in_flight + working_set + output)
+    return first, last
+
+
 def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, np.ndarray]:
     """Step time, its breakdown, memory, energy and cost for every configuration in `c`."""
-    dev, node, g = cluster.device, cluster.node, cluster.gpus_per_node
+    dev, g = cluster.device, cluster.gpus_per_node
     peak = dev.peak(model.dtype)
-    t, p, d = (np.asarray(x, dtype=float) for x in (c.tp, c.pp, c.dp))
-    b, v = np.asarray(c.micro_batch, dtype=float), np.asarray(c.interleave, dtype=float)
-    sp, code, zero = np.asarray(c.sequence_parallel, dtype=bool), np.asarray(c.recompute), np.asarray(c.zero)
-    s, h, V = model.seq, model.hidden, model.vocab
-    m = model.global_batch / (d * b)
-    lps = model.layers / p
-    single_stage = p == 1
+    x = _Shape.of(model, c)
+    lps, single, m = x.layers_per_stage, x.single_stage, x.m
+    extra_on_single = lambda value: np.where(single, value, 0.0)  # noqa: E731
 
-    # -- one layer, one micro-batch, one GPU
-    gemm_f, gemm_b = compute.layer_gemm_times_s(model, b, t, dev, peak)
-    attn_f, attn_b = compute.attention_core_times_s(model, b, t, dev, peak)
-    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp, dev)
-    gap_f, gap_b = compute.kernel_gaps_s(dev)
-    layer_f = gemm_f + attn_f + elem_f + gap_f
-    layer_b = gemm_b + attn_b + elem_b + gap_b
-    layer_recompute = np.where(code == 2, layer_f, np.where(code == 1, attn_f, 0.0))
+    # -- per micro-batch, per stage: compute, tensor-parallel collectives, pipeline sends
+    layer_f, layer_b, layer_recompute = _layer_times_s(model, cluster, x, peak)
+    emb_f, emb_b = compute.embedding_times_s(model, x.b, dev)
+    out_f, out_b = compute.output_layer_times_s(model, x.b, x.t, dev, peak)
+    first_compute_f = lps * layer_f + emb_f + extra_on_single(out_f)
+    first_compute_b = lps * (layer_b + layer_recompute) + emb_b + extra_on_single(out_b)
+    last_compute_f = lps * layer_f + out_f + extra_on_single(emb_f)
+    last_compute_b = lps * (layer_b + layer_recompute) + out_b + extra_on_single(emb_b)
 
-    # -- tensor-parallel collectives: Megatron's f/g pairs, two per layer each way;
-    #    with SP each all-reduce becomes a reduce-scatter + all-gather of the same volume.
-    act_bytes = b * s * h * model.activation_bytes
-    tp_local = coll.group_members_per_node(t, 1, g)
-    tp_pair = np.where(sp, coll.reduce_scatter_s(act_bytes, t, tp_local, node)
-                       + coll.all_gather_s(act_bytes, t, tp_local, node),
-                       coll.all_reduce_s(act_bytes, t, tp_local, node))
-    tp_layer_f = 2 * tp_pair
-    tp_layer_b = 2 * tp_pair + np.where(code == 2, tp_layer_f, 0.0)
+    tp_pair = _tensor_parallel_pair_s(model, cluster, x)
+    # two pairs forward, two backward, two more when full recompute re-runs the forward;
+    # plus the vocab-parallel embedding (first stage) and logits-gradient (last stage) pair
+    tp_per_layer = 4 * tp_pair + np.where(x.recompute == 2, 2 * tp_pair, 0.0)
+    stage_tp = lps * tp_per_layer + tp_pair + extra_on_single(tp_pair)
 
-    # -- pipeline sends: each chunk boundary, forward activation and backward gradient;
-    #    Megatron's scatter/gather splits the message over the tp ranks.
-    stages_across_nodes = t * d >= g
-    p2p_one = coll.p2p_s(act_bytes / t, stages_across_nodes, node)
-    p2p_mb = np.where(single_stage, 0.0, 2 * v * p2p_one)
+    # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
+    stages_across_nodes = x.t * x.d >= g
+    act_bytes = x.b * model.seq * model.hidden * model.activation_bytes
+    p2p_mb = np.where(single, 0.0, 2 * x.v * coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node))
 
-    # -- parameters per GPU of the first and last stage (embedding tied: a copy on the last stage)
-    layer_params_here = lps * model.layer_params / t
-    embed_params_here = V * h / t
-    first_params = layer_params_here + embed_params_here + s * h + np.where(single_stage, 2 * h, 0.0)
-    last_params = np.where(single_stage, first_params, layer_params_here + embed_params_here + 2 * h)
+    first_params, last_params, embedding_here = _stage_params(model, x)
+    first_zero = _zero_in_step_s(cluster, x, first_params, first_compute_f, first_compute_b, c.bucket_mb)
+    last_zero = _zero_in_step_s(cluster, x, last_params, last_compute_f, last_compute_b, c.bucket_mb)
 
-    # -- compute per micro-batch per stage
-    emb_f, emb_b = compute.embedding_times_s(model, b, dev)
-    out_f, out_b = compute.output_layer_times_s(model, b, t, dev, peak)
-    first_compute_f = lps * layer_f + emb_f + np.where(single_stage, out_f, 0.0)
-    first_compute_b = lps * (layer_b + layer_recompute) + emb_b + np.where(single_stage, out_b, 0.0)
-    last_compute_f = lps * layer_f + out_f + np.where(single_stage, emb_f, 0.0)
-    last_compute_b = lps * (layer_b + layer_recompute) + out_b + np.where(single_stage, emb_b, 0.0)
-    # vocab-parallel embedding output (forward) and logits input gradient (backward): one pair each
-    first_tp = lps * (tp_layer_f + tp_layer_b) + tp_pair + np.where(single_stage, tp_pair, 0.0)
-    last_tp = lps * (tp_layer_f + tp_layer_b) + tp_pair + np.where(single_stage, tp_pair, 0.0)
-
-    # -- ZeRO traffic inside the step (per micro-batch) on the data-parallel group
-    dp_local = coll.group_members_per_node(d, t, g)
-
-    def zero_per_microbatch_s(params, compute_f, compute_b):
-        shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
-        gather = coll.all_gather_s(shard_bytes, d, dp_local, node)
-        scatter = coll.reduce_scatter_s(shard_bytes, d, dp_local, node)
-        # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
-        # except the first unit's; backward gathers again and reduce-scatters gradients.
-        stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (lps + 1)
-                  + np.maximum(gather + scatter - compute_b, 0.0))
-        # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
-        latency = coll.reduce_scatter_s(0.0, d, dp_local, node)
-        stage2 = coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (c.bucket_mb * 1e6)),
-                                                 compute_b)
-        return np.where(zero == 3, stage3, np.where(zero == 2, stage2, 0.0))
-
-    first_zero = zero_per_microbatch_s(first_params, first_compute_f, first_compute_b)
-    last_zero = zero_per_microbatch_s(last_params, last_compute_f, last_compute_b)
-
-    first_stage = first_compute_f + first_compute_b + first_tp + p2p_mb + first_zero
-    last_stage = last_compute_f + last_compute_b + last_tp + p2p_mb + last_zero
+    first_stage = first_compute_f + first_compute_b + stage_tp + p2p_mb + first_zero
+    last_stage = last_compute_f + last_compute_b + stage_tp + p2p_mb + last_zero
     last_is_slowest = last_stage > first_stage
     t_stage = np.maximum(first_stage, last_stage)
-    pick = lambda first, last: np.where(last_is_slowest, last, first)  # noqa: E731
+    slowest = lambda first, last: np.where(last_is_slowest, last, first)  # noqa: E731
 
+    # -- the step
     pipeline_s = m * t_stage
-    bubble_s = (p - 1) / v * t_stage
-
-    # -- end of step: data-parallel gradient sync for what ZeRO did not already do per micro-batch
+    bubble_s = (x.p - 1) / x.v * t_stage
     sync_params = np.maximum(first_params, last_params)
-    grad_bytes = sync_params * memory.GRAD_BYTES_PER_PARAM
-    all_reduce = coll.all_reduce_s(grad_bytes, d, dp_local, node)
-    all_reduce_latency = coll.all_reduce_s(0.0, d, dp_local, node)
-    scatter_end = coll.reduce_scatter_s(grad_bytes, d, dp_local, node)
-    scatter_latency = coll.reduce_scatter_s(0.0, d, dp_local, node)
-    gather_end = coll.all_gather_s(sync_params * memory.WEIGHT_BYTES_PER_PARAM, d, dp_local, node)
-    buckets = np.ceil(grad_bytes / (c.bucket_mb * 1e6))
-    window = np.maximum(first_compute_b, last_compute_b)  # the last micro-batch's backward
-    if c.overlap_grad_reduce:
-        reduce_exposed = np.where(zero == 0,
-                                  coll.bucketed_overlap_exposed_s(all_reduce, all_reduce_latency, buckets, window),
-                                  coll.bucketed_overlap_exposed_s(scatter_end, scatter_latency, buckets, window))
-    else:
-        reduce_exposed = np.where(zero == 0, all_reduce, scatter_end)
-    dp_sync_s = np.where(zero == 0, reduce_exposed,
-                         np.where(zero == 1, reduce_exposed + gather_end, np.where(zero == 2, gather_end, 0.0)))
-    owned = sync_params / np.where(zero >= 1, d, 1.0)
-    optimizer_s = compute.optimizer_step_s(owned, dev)
-    embedding_sync_s = np.where(single_stage, 0.0,
-                                coll.all_reduce_s(embed_params_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
-                                                  np.where(stages_across_nodes, 1.0, 2.0), node))
+    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, np.maximum(first_compute_b, last_compute_b), c)
+    optimizer_s = compute.optimizer_step_s(sync_params / np.where(x.zero >= 1, x.d, 1.0), dev)
+    embedding_sync_s = np.where(single, 0.0, coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
+                                                               np.where(stages_across_nodes, 1.0, 2.0), cluster.node))
     step_s = pipeline_s + bubble_s + dp_sync_s + optimizer_s + embedding_sync_s
 
     # -- throughput
-    n_gpus = t * p * d
-    hardware_flops = compute.hardware_flops_per_iteration(model, code)
+    n_gpus = x.t * x.p * x.d
+    hardware_flops = compute.hardware_flops_per_iteration(model, x.recompute)
     model_flops = compute.model_flops_per_iteration(model)
-    tflops_per_gpu = hardware_flops / (step_s * n_gpus) / 1e12
-    mfu = model_flops / (step_s * n_gpus * peak)
-    hfu = hardware_flops / (step_s * n_gpus * peak)
 
-    # -- memory on the first and last stage; the peak is the larger
-    scores_stored = model.attention == "unfused"
-    ffn_ratio = model.ffn / h
-    per_layer = memory.activation_bytes_per_layer_coded(s, b, h, model.heads, t, sp, code, ffn_ratio, scores_stored)
-    per_layer_whole = memory.activation_bytes_per_layer_coded(s, b, h, model.heads, t, sp, 0, ffn_ratio,
-                                                              scores_stored)
-    recompute_working_set = per_layer_whole - per_layer  # one layer rematerialised during its backward
-    first_in_flight = memory.in_flight_layer_microbatches(lps, p, m, v, c.schedule)
-    last_chunks = np.minimum(m * v, (v - 1) * p + 1)
-    last_in_flight = np.where(np.asarray(c.schedule) == 1, lps * m, lps * last_chunks / v)
-    output_act = memory.output_layer_activation_bytes(s, b, V, t)
-    first_act = (per_layer * first_in_flight + recompute_working_set
-                 + memory.embedding_activation_bytes(s, b, h, first_in_flight / lps)
-                 + np.where(single_stage, output_act, 0.0))
-    last_act = per_layer * last_in_flight + recompute_working_set + output_act
-    last_act = np.where(single_stage, first_act, last_act)
-    prefetch_buffers = np.where(zero == 3, 2 * model.layer_params / t * memory.WEIGHT_BYTES_PER_PARAM, 0.0)
-    other = dev.framework_overhead_bytes + prefetch_buffers
-    first_states = memory.model_state_bytes(first_params, d, zero)
-    last_states = memory.model_state_bytes(last_params, d, zero)
+    # -- memory: the fuller of the first and last stage
+    first_act, last_act = _activation_bytes(model, x)
+    other = dev.framework_overhead_bytes + np.where(
+        x.zero == 3, 2 * model.layer_params / x.t * memory.WEIGHT_BYTES_PER_PARAM, 0.0)  # prefetched layers
+    first_states = memory.model_state_bytes(first_params, x.d, x.zero)
+    last_states = memory.model_state_bytes(last_params, x.d, x.zero)
     first_total = sum(first_states.values()) + first_act + other
     last_total = sum(last_states.values()) + last_act + other
     last_is_fullest = last_total > first_total
     fullest = lambda first, last: np.where(last_is_fullest, last, first)  # noqa: E731
     memory_bytes = np.maximum(first_total, last_total)
 
-    n = np.asarray(n_gpus)
     return {
         "step_time_s": step_s,
-        "tflops_per_gpu": tflops_per_gpu,
-        "mfu": mfu,
-        "hfu": hfu,
-        "tokens_per_s_per_gpu": model.global_batch * s / step_s / n,
+        "tflops_per_gpu": hardware_flops / (step_s * n_gpus) / 1e12,
+        "mfu": model_flops / (step_s * n_gpus * peak),
+        "hfu": hardware_flops / (step_s * n_gpus * peak),
+        "tokens_per_s_per_gpu": model.global_batch * model.seq / step_s / n_gpus,
         "samples_per_s": model.global_batch / step_s,
         "micro_batches": m,
         "bubble_fraction": bubble_s / pipeline_s,
-        "compute_s": m * pick(first_compute_f + first_compute_b, last_compute_f + last_compute_b),
-        "tp_comm_s": m * pick(first_tp, last_tp),
+        "compute_s": m * slowest(first_compute_f + first_compute_b, last_compute_f + last_compute_b),
+        "tp_comm_s": m * stage_tp,
         "pp_p2p_s": m * p2p_mb,
-        "zero_comm_s": m * pick(first_zero, last_zero),
+        "zero_comm_s": m * slowest(first_zero, last_zero),
         "bubble_s": bubble_s,
         "dp_sync_s": dp_sync_s,
         "optimizer_s": optimizer_s,
@@ -265,11 +296,11 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
         "gradients_bytes": fullest(first_states["gradients"], last_states["gradients"]),
         "optimizer_bytes": fullest(first_states["optimizer"], last_states["optimizer"]),
         "activations_bytes": fullest(first_act, last_act),
-        "other_bytes": other + 0.0 * memory_bytes,
+        "other_bytes": other,
         "fits": memory_bytes <= dev.memory_bytes,
-        "energy_kwh": n * dev.power_w * step_s / 3.6e6,
-        "cost_usd": n * dev.price_usd_per_hour * step_s / 3600.0,
-        "spot_cost_usd": n * dev.spot_price_usd_per_hour * step_s / 3600.0,
+        "energy_kwh": n_gpus * dev.power_w * step_s / 3.6e6,
+        "cost_usd": n_gpus * dev.price_usd_per_hour * step_s / 3600.0,
+        "spot_cost_usd": n_gpus * dev.spot_price_usd_per_hour * step_s / 3600.0,
     }
 
 

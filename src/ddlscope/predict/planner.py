@@ -59,7 +59,7 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
                       max_interleave: int = MAX_INTERLEAVE) -> ConfigArrays:
     """Every valid configuration for this model on exactly this cluster, as arrays."""
     n = cluster.n_gpus
-    pairs = [(t, p) for t in divisors(n) if model.heads % t == 0
+    pairs = [(t, p) for t in divisors(n) if model.heads % t == 0 and model.kv % t == 0
              for p in divisors(n // t) if model.layers % p == 0]
     if not pairs:
         return _empty()
@@ -98,7 +98,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     scored: list[tuple[Cluster, ConfigArrays, dict[str, np.ndarray]]] = []
     evaluated = 0
     for nodes in node_counts:
-        sub = make_cluster(cluster.name, nodes, cluster.gpus_per_node)
+        sub = cluster if nodes == cluster.nodes else make_cluster(cluster.name, nodes, cluster.gpus_per_node)
         configs = candidate_configs(model, sub, max_micro_batch)
         if len(configs):
             scored.append((sub, configs, evaluate(model, sub, configs)))

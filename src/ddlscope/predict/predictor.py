@@ -37,6 +37,10 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
                           f"{cluster.n_gpus} GPUs ({cluster})")
     if model.heads % t:
         raise ConfigError(f"tp = {t}: must divide heads = {model.heads}")
+    if model.kv % t:
+        raise ConfigError(f"tp = {t}: must divide kv_heads = {model.kv}")
+    if model.kv_heads and model.heads % model.kv_heads:
+        raise ConfigError(f"kv_heads = {model.kv_heads}: must divide heads = {model.heads}")
     if model.layers % p:
         raise ConfigError(f"pp = {p}: must divide layers = {model.layers}")
     if model.global_batch % (d * b):

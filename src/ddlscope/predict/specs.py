@@ -25,6 +25,8 @@ class ModelSpec:
     `attention`: "flash" (fused kernel, never materialises the s x s scores;
     FlashAttention, 2022+) or "unfused" (separate batched GEMMs, softmax and
     dropout over s x s tensors, as Megatron-LM did in 2020-2021).
+    `kv_heads` < `heads` is grouped-query attention (Llama 2/3); `gated_mlp`
+    a SwiGLU MLP (three f x h matrices instead of two). Defaults: GPT.
     """
 
     hidden: int
@@ -34,6 +36,8 @@ class ModelSpec:
     vocab: int
     global_batch: int
     ffn_hidden: int = 0  # 0: 4 x hidden
+    kv_heads: int = 0  # 0: = heads (multi-head attention)
+    gated_mlp: bool = False
     attention: Attention = "flash"
     dtype: str = "bf16"
     causal: bool = True
@@ -48,10 +52,34 @@ class ModelSpec:
         return self.hidden // self.heads
 
     @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def qkv_width(self) -> int:
+        """Output width of the fused QKV projection: queries plus (grouped) keys and values."""
+        return self.hidden + 2 * self.kv * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
     def layer_params(self) -> int:
-        """Weights and biases of one layer: QKV + projection, two MLP matrices, two layer norms."""
-        h, f = self.hidden, self.ffn
-        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        """Weights and biases of one layer: QKV + projection, the MLP matrices, two layer norms.
+
+        For GPT (f = 4h, no GQA) this is Megatron-LM's 12 h^2 + 13 h.
+        """
+        h, f, q = self.hidden, self.ffn, self.qkv_width
+        attention = h * q + q + h * h + h
+        mlp = self.mlp_matrices * h * f + (self.mlp_matrices - 1) * f + h
+        return attention + mlp + 4 * h
+
+    @property
+    def dense_flops_per_token(self) -> int:
+        """Forward FLOPs of one layer's weight GEMMs per token (2 per multiply-add); 24 h^2 for GPT."""
+        h = self.hidden
+        return 2 * (h * self.qkv_width + h * h + self.mlp_matrices * h * self.ffn)
 
     @property
     def params(self) -> int:

@@ -125,7 +125,8 @@ def _finish(est: StrategyEstimate, workload: Workload, cluster: Cluster) -> Stra
 
 def single(workload: Workload, cluster: Cluster) -> StrategyEstimate:
     c = compute_s(workload, cluster)
-    mem = workload.params * workload.state_bytes_per_param + workload.activation_bytes_per_sample * workload.batch_per_worker
+    mem = (workload.params * workload.state_bytes_per_param
+           + workload.activation_bytes_per_sample * workload.batch_per_worker)
     return _finish(StrategyEstimate("single", 1, c, c, 0.0, 0.0, mem,
                                     workload.batch_per_worker / c), workload, cluster)
 
