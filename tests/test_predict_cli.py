@@ -100,8 +100,8 @@ def test_plan_table_and_json(run):
 
 
 BAD = {
-    "gpus mismatch": (["--dp", "8"], "tp x pp x dp"),
-    "odd tp, wrong product": (["--tp", "3", "--dp", "21"], "tp x pp x dp"),
+    "more GPUs than the cluster": (["--dp", "128"], "tp x pp x dp"),
+    "odd tp, too many GPUs": (["--tp", "3", "--dp", "22"], "tp x pp x dp"),
     "heads % tp": (["--tp", "64", "--dp", "1"], "heads"),
     "layers % pp": (["--pp", "4", "--dp", "16"], "layers"),
     "batch": (["--micro-batch", "3"], "global_batch"),
@@ -147,3 +147,21 @@ def test_missing_model_field_and_bad_file(main, tmp_path):
 def test_config_errors_are_value_errors(run):
     result = run("predict", "--cluster", "nope")
     assert isinstance(result.exception, ConfigError) and isinstance(result.exception, ValueError)
+
+
+def test_the_issue_example_runs_on_a_subset_of_the_cluster():
+    """The documented flag form, verbatim: 64 data-parallel GPUs of a 512-GPU cluster."""
+    import json
+    import subprocess
+    import sys
+
+    args = ("predict --cluster a100-80gb:64x8 --model gpt --hidden 3072 --heads 32 --layers 30 --seq 2048 "
+            "--vocab 51200 --global-batch 512 --micro-batch 8 --tp 1 --pp 1 --dp 64 --recompute full --zero 1 --json")
+    proc = subprocess.run([sys.executable, "-m", "ddlscope", *args.split()], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu", "memory_breakdown_gb", "fits",
+                "energy_kwh_per_step", "cost_usd_per_step", "breakdown_s"):
+        assert key in out
+    assert 0 < out["mfu"] < 1 and any("64 of the cluster's 512 GPUs" in n for n in out["notes"])

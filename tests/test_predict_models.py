@@ -239,7 +239,7 @@ def test_mechanisms_point_the_right_way():
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(tp=8, pp=35, dp=4), "tp x pp x dp"),
+    (dict(tp=8, pp=35, dp=9), "tp x pp x dp"),
     (dict(tp=5, pp=7, dp=64), "tp = 5"),
     (dict(tp=8, pp=4, dp=70), "pp = 4"),
     (dict(tp=8, pp=35, dp=8, micro_batch=7), "global_batch"),

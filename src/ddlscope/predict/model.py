@@ -88,7 +88,7 @@ class ConfigArrays:
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
     """Configurations Megatron-LM-style training can run (same rules as `validate`)."""
     t, p, d, b, v = c.tp, c.pp, c.dp, c.micro_batch, c.interleave
-    ok = (t * p * d == cluster.n_gpus) & (t >= 1) & (p >= 1) & (d >= 1) & (b >= 1) & (v >= 1)
+    ok = (t * p * d <= cluster.n_gpus) & (t >= 1) & (p >= 1) & (d >= 1) & (b >= 1) & (v >= 1)
     ok &= (model.heads % t == 0) & (model.kv % t == 0) & (model.layers % p == 0)
     ok &= model.global_batch % (d * b) == 0
     ok &= (model.layers % (p * v) == 0)

@@ -32,8 +32,8 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
         raise ConfigError(f"attention = {model.attention!r}: allowed: flash, unfused")
     cluster.device.peak(model.dtype)  # raises for a dtype the device has no peak for
     t, p, d, b, v = parallel.tp, parallel.pp, parallel.dp, parallel.micro_batch, parallel.interleave
-    if t * p * d != cluster.n_gpus:
-        raise ConfigError(f"tp x pp x dp = {t} x {p} x {d} = {t * p * d}: must equal the cluster's "
+    if t * p * d > cluster.n_gpus:
+        raise ConfigError(f"tp x pp x dp = {t} x {p} x {d} = {t * p * d}: more than the cluster's "
                           f"{cluster.n_gpus} GPUs ({cluster})")
     if model.heads % t:
         raise ConfigError(f"tp = {t}: must divide heads = {model.heads}")
@@ -90,6 +90,10 @@ def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: Parall
         "other": value("other_bytes") / GB,
     }
     notes = []
+    used = parallel.tp * parallel.pp * parallel.dp
+    if used < cluster.n_gpus:
+        notes.append(f"uses tp x pp x dp = {used} of the cluster's {cluster.n_gpus} GPUs; "
+                     "per-GPU figures, energy and cost count the GPUs used")
     if not bool(out["fits"][i]):
         notes.append(f"needs {value('memory_bytes') / GB:.1f} GB per GPU; {cluster.device.key} has "
                      f"{cluster.device.memory_bytes / GB:.1f} GB")

@@ -95,7 +95,7 @@ class ModelSpec:
 class ParallelSpec:
     """How one training step is spread over the GPUs.
 
-    tp x pp x dp must equal the cluster's GPU count. `zero`: 0 plain data
+    tp x pp x dp may not exceed the cluster's GPU count (fewer: the job uses a subset). `zero`: 0 plain data
     parallel, 1 optimizer states sharded over dp, 2 + gradients, 3 + parameters
     (FSDP FULL_SHARD). `interleave`: model chunks per pipeline stage (1 = plain
     1F1B). `overlap_grad_reduce`: data-parallel gradient reduction runs in

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -11,11 +12,13 @@ from ddlscope.specs import NetworkSpec
 from ddlscope.strategies.comm import LinkModel
 
 
+@functools.lru_cache(maxsize=None)
 def measure_matmul_flops(threads: int, size: int = 384, repeats: int = 8) -> float:
     """This machine's achieved fp32 matmul FLOP/s with one rank's thread count.
 
     A mid-sized square matmul stands for the GEMMs of the small workloads;
-    the best of several repeats discounts scheduler noise.
+    the best of several repeats discounts scheduler noise. Measured once per
+    process, so every cell of a study uses the same scale.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
