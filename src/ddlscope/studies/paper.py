@@ -17,11 +17,12 @@ from typing import Any
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell
 
-# Batch 256 gives each rank enough compute per byte of gradient that the fast
-# network can pay off; 100 steps (~18 epochs) reach 95% test accuracy in sync.
+# Batch 256 gives each rank as much compute per byte of gradient as digits
+# allow; 100 steps (~18 epochs) of SGD with the usual momentum 0.9 reach 95%
+# test accuracy when training is synchronous.
 ACCURACY_WORKLOAD: dict[str, Any] = {
     "name": "cnn-digits", "channels": 16, "batch_size": 256, "steps": 100, "eval_every": 20,
-    "lr": 0.2, "momentum": 0.9,
+    "lr": 0.1, "momentum": 0.9,
 }
 TARGET_ACCURACY = 0.95
 MEMORY_WORKLOAD: dict[str, Any] = {
@@ -79,9 +80,10 @@ class PaperStudy(Study):
             # The cells each headline needs, at 2 workers (2 ranks on this machine's 2 cores
             # are not oversubscribed); memory at 4, where sharding shows most.
             cells += [accuracy_cell(s, n, "homogeneous", QUICK_WORKERS) for s in ("ddp", "fsdp") for n in NETWORKS]
-            cells.append(accuracy_cell("ddp", "slow", "straggler", QUICK_WORKERS))
-            cells += [accuracy_cell(s, "slow", w, QUICK_WORKERS) for s in PS_FAMILY
-                      for w in ("homogeneous", "straggler")]
+            cells.append(accuracy_cell("ddp", "fast", "straggler", QUICK_WORKERS))
+            # One server on the slow link is bound by its network whatever the workers do; on the
+            # fast one compute matters, which is where stragglers (and asynchrony) make a difference.
+            cells += [accuracy_cell(s, "fast", "straggler", QUICK_WORKERS) for s in PS_FAMILY]
             cells += [memory_cell(s, 4) for s in ("ddp", "fsdp")]
             return cells
         cells += [accuracy_cell(s, n, w, world) for world in (2, 4) for n in NETWORKS
@@ -101,10 +103,15 @@ class _Analysis:
         worlds = [r.cell.labels["world_size"] for r in results
                   if r.cell.labels["part"] == "accuracy" and r.cell.labels["strategy"] != "single"]
         self.world = max(worlds, default=QUICK_WORKERS)  # headlines compare cells at this many workers
+        # The network the parameter-server headlines are read on: fast when those cells exist.
+        self.ps_network = "fast" if self.get_on("ps-sync", "fast", "straggler") else "slow"
 
     # -- measured quantities --------------------------------------------------
     def get(self, strategy: str, network: str, workers: str = "homogeneous") -> CellResult | None:
-        return self.by_key.get(f"{strategy}/{network}/{workers}/w{self.world}")
+        return self.get_on(strategy, network, workers)
+
+    def get_on(self, strategy: str, network: str, workers: str) -> CellResult | None:
+        return self.by_key.get(f"{strategy}/{network}/{workers}/w{getattr(self, 'world', QUICK_WORKERS)}")
 
     def speedup(self, r: CellResult | None) -> float | None:
         if r is None or self.single is None:
@@ -146,14 +153,20 @@ class _Analysis:
 
     def _ddp_speedup(self) -> dict[str, str] | None:
         fast, slow = self.speedup(self.get("ddp", "fast")), self.speedup(self.get("ddp", "slow"))
-        straggler = self.speedup(self.get("ddp", "slow", "straggler"))
+        straggler = self.speedup(self.get("ddp", "fast", "straggler"))
         if fast is None:
             return None
         measured = f"{fast:.2f}x at {self.world} workers on the fast network, {_fmt(slow, 'x')} on the slow one"
         if straggler is not None:
-            measured += f", {straggler:.2f}x on the slow one with a 2x straggler"
-        verdict = ("agrees: DDP gains most on a fast, homogeneous cluster" if fast >= max(slow or 0, straggler or 0)
-                   else "differs: DDP did not gain most on the fast homogeneous cluster here")
+            measured += f", {straggler:.2f}x on the fast one with a 2x straggler"
+        best_on_fast = fast >= max(slow or 0, straggler or 0)
+        if best_on_fast and fast >= 1.5:
+            verdict = "agrees: DDP speeds training up, most on a fast, homogeneous cluster"
+        elif best_on_fast:
+            verdict = ("partly: the order agrees (fast, homogeneous is best), but there is no 2-3x here: this "
+                       "small model's gradients cost more to exchange than its compute, even on the fast network")
+        else:
+            verdict = "differs: DDP did not gain most on the fast homogeneous cluster here"
         return {"headline": "DDP speedup over one device", "paper": "2-3x, best on homogeneous, gang-scheduled, "
                 "high-bandwidth clusters", "measured": measured, "verdict": verdict}
 
@@ -192,13 +205,13 @@ class _Analysis:
                 f"network, {_fmt(fast, 'x')} on the fast one ({self.world} workers)", "verdict": verdict}
 
     def _async_gain(self) -> dict[str, str] | None:
-        sync, asyn = self.get("ps-sync", "slow", "straggler"), self.get("ps-async", "slow", "straggler")
+        sync, asyn = (self.get(s, self.ps_network, "straggler") for s in ("ps-sync", "ps-async"))
         if not sync or not asyn:
             return None
         gain = 1 - self.wall(asyn) / self.wall(sync)
         acc_sync, acc_async = self.accuracy(sync), self.accuracy(asyn)
         loss_pts = (acc_sync - acc_async) * 100
-        measured = (f"with a 2x straggler (slow network, {self.world} workers): wall time {-gain:+.0%} "
+        measured = (f"with a 2x straggler ({self.ps_network} network, {self.world} workers): wall time {-gain:+.0%} "
                     f"({self.wall(asyn):.1f} s vs {self.wall(sync):.1f} s), accuracy {acc_async:.1%} vs "
                     f"{acc_sync:.1%} ({loss_pts:+.1f} points lost)")
         verdict = ("agrees: async is faster and less accurate" if gain > 0 and loss_pts > 0 else
@@ -208,8 +221,7 @@ class _Analysis:
                 "measured": measured, "verdict": verdict}
 
     def _stale_aware(self) -> dict[str, str] | None:
-        sync, asyn = self.get("ps-sync", "slow", "straggler"), self.get("ps-async", "slow", "straggler")
-        aware = self.get("ps-stale-aware", "slow", "straggler")
+        sync, asyn, aware = (self.get(s, self.ps_network, "straggler") for s in ("ps-sync", "ps-async", "ps-stale-aware"))
         if not (sync and asyn and aware):
             return None
         measured = (f"wall {self.wall(aware):.1f} s (async {self.wall(asyn):.1f}, sync {self.wall(sync):.1f}); "
@@ -245,11 +257,12 @@ class _Analysis:
                        f"of DDP's model-state bytes per rank; expect {_fmt(slow, 'x')} DDP's step time on a slow "
                        "network, so use it only when DDP does not fit.")
         stragglers = [r for r in self.results if r.cell.labels["workers"] == "straggler"
-                      and r.cell.labels["network"] == "slow" and r.cell.labels["world_size"] == self.world]
+                      and r.cell.labels["network"] == self.ps_network and r.cell.labels["world_size"] == self.world]
         if stragglers:
             fastest = min(stragglers, key=lambda r: self.wall(r) or math.inf)
             accurate = [r for r in stragglers if (self.accuracy(r) or 0) >= TARGET_ACCURACY]
-            sentence = (f"Heterogeneous workers (one 2x straggler, slow network): {fastest.cell.labels['strategy']} "
+            sentence = (f"Heterogeneous workers (one 2x straggler, {self.ps_network} network): "
+                        f"{fastest.cell.labels['strategy']} "
                         f"finished first ({self.wall(fastest):.1f} s, accuracy {self.accuracy(fastest):.1%})")
             if accurate:
                 best = min(accurate, key=lambda r: self.wall(r) or math.inf)
@@ -261,7 +274,7 @@ class _Analysis:
 
     def _notes(self) -> list[str]:
         notes = sorted({n for r in self.results for n in r.summary.notes
-                        if "shared" in n or "emulated" in n and "slow" in n})
+                        if "shared" in n or "emulated" in n})
         return notes + [
             f"Same samples in every accuracy cell: {ACCURACY_WORKLOAD['steps']} steps x global batch "
             f"{ACCURACY_WORKLOAD['batch_size']}. Times labelled 'effective' use thread CPU time for compute "
