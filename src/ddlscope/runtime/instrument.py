@@ -66,21 +66,27 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 class ActivationMeter:
     """Bytes autograd keeps for backward, counted by saved-tensor hooks.
 
-    Parameters that autograd saves (a Linear saves its weight) are excluded:
-    they are model state, not activations.
+    Parameters that autograd saves (a Linear saves its weight), and views of
+    them, are excluded: they are model state, not activations.
     """
 
     def __init__(self, model: nn.Module):
         self._param_ptrs = {_storage_key(local_tensor(p.detach()))[0] for p in model.parameters()}
+        self._model = model
         self._saved: dict[int, int] = {}
         self.bytes = 0
 
     def _pack(self, t: Tensor) -> Tensor:
         if t.device.type != "meta":
             ptr, nbytes = _storage_key(t)
-            if ptr not in self._param_ptrs:
+            # Parameters are looked up at pack time: a sharded model swaps in gathered,
+            # unsharded weights only while a unit runs, and those are model state too.
+            if ptr not in self._param_ptrs and ptr not in self._current_param_ptrs():
                 self._saved[ptr] = max(self._saved.get(ptr, 0), nbytes)
         return t
+
+    def _current_param_ptrs(self) -> set[int]:
+        return {_storage_key(p.detach())[0] for p in self._model.parameters() if not hasattr(p, "to_local")}
 
     @contextmanager
     def measure(self) -> Iterator[None]:
