@@ -1,0 +1,106 @@
+"""Studies: cells run once and are reused; the paper study's cells and analysis."""
+
+import pytest
+
+from ddlscope.analysis.summary import Summary
+from ddlscope.store import Store
+from ddlscope.studies import STUDIES
+from ddlscope.studies.base import CellResult, build_cell, run_cells
+from ddlscope.studies.paper import compensated_momentum
+
+
+def _tiny_cells():
+    workload = {"name": "mlp-digits", "steps": 3, "batch_size": 32}
+    return [
+        build_cell("single", {"part": "accuracy", "strategy": "single"},
+                   {"workload": workload, "strategy": {"name": "single"}, "cluster": {"world_size": 1}}),
+        build_cell("ddp", {"part": "accuracy", "strategy": "ddp"},
+                   {"workload": workload, "strategy": {"name": "ddp"}, "cluster": {"world_size": 2}}),
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_cells_run_once_then_are_reused_and_fresh_reruns(tmp_path):
+    db = tmp_path / "s.db"
+    first = run_cells("tiny", _tiny_cells(), db, fresh=False)
+    assert [r.reused for r in first] == [False, False]
+    assert [r.run.name for r in first] == ["tiny:single", "tiny:ddp"]
+    assert first[1].summary.speedup_vs_single is not None  # the single cell is the baseline
+    again = run_cells("tiny", _tiny_cells(), db, fresh=False)
+    assert [r.reused for r in again] == [True, True] and [r.run.id for r in again] == [r.run.id for r in first]
+    with Store(db) as store:
+        assert len(store.list_runs()) == 2
+    fresh = run_cells("tiny", _tiny_cells()[:1], db, fresh=True)
+    assert not fresh[0].reused and fresh[0].run.id != first[0].run.id
+
+
+def test_paper_cells_are_valid_experiments():
+    study = STUDIES.get("paper")()
+    quick, full = study.cells(quick=True), study.cells(quick=False)
+    keys = {c.key for c in quick}
+    assert {"single/w1", "ddp/fast/homogeneous/w2", "fsdp/slow/homogeneous/w2", "ps-sync/fast/straggler/w2",
+            "ps-async/fast/straggler/w2", "ps-stale-aware/fast/straggler/w2", "memory/fsdp/w4"} <= keys
+    assert len({c.key for c in full}) == len(full) > len(quick)
+    samples = {c.experiment.workload.steps * c.experiment.workload.batch_size
+               for c in full if c.labels["part"] == "accuracy"}
+    assert len(samples) == 1  # the same samples in every accuracy cell
+    straggler = next(c for c in quick if c.key == "ps-async/fast/straggler/w2")
+    assert straggler.experiment.cluster.slowdown == [1.0, 2.0]
+
+
+def test_compensated_momentum():
+    assert compensated_momentum(0.9, 2) == 0.4
+    assert compensated_momentum(0.9, 4) == 0.15
+    assert compensated_momentum(0.5, 4) == 0.0
+
+
+def _result(key, labels, step_s, wall_s, accuracy, memory=None, staleness=None):
+    from types import SimpleNamespace
+
+    summary = Summary(
+        run={}, steps_recorded=10, ranks_recorded=2, warmup_steps_excluded=1, mean_step_s=step_s,
+        throughput_samples_per_s=1 / step_s, baseline_run_id=None, speedup_vs_single=None, scaling_efficiency=None,
+        breakdown_mean_s={}, breakdown_fraction={}, comm={}, memory_bytes_by_rank=memory or {},
+        final_eval={"metric_name": "accuracy", "metric": accuracy} if accuracy is not None else None,
+        final_loss=None, train_wall_s=wall_s, oversubscribed=False, cpu_derived_step_s=step_s,
+        cpu_derived_wall_s=wall_s, staleness=staleness or {})
+    cell = SimpleNamespace(key=key, labels=labels)
+    run = SimpleNamespace(config={"workload": {"momentum": 0.4}})
+    return CellResult(cell, run, summary, reused=False)
+
+
+def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
+    def acc(strategy, network, workers, step_s, wall_s, accuracy):
+        labels = {"part": "accuracy", "strategy": strategy, "network": network, "workers": workers, "world_size": 2}
+        return _result(f"{strategy}/{network}/{workers}/w2", labels, step_s, wall_s, accuracy)
+
+    def mem(strategy, states):
+        labels = {"part": "memory", "strategy": strategy, "network": "local", "workers": "homogeneous",
+                  "world_size": 4}
+        memory = {r: {"parameters": states / 4, "gradients": states / 4, "optimizer": states / 2,
+                      "activations": 10, "peak_rss": 1000} for r in range(4)}
+        return _result(f"memory/{strategy}/w4", labels, 1.0, 3.0, None, memory)
+
+    results = [
+        _result("single/w1", {"part": "accuracy", "strategy": "single", "network": "none",
+                              "workers": "homogeneous", "world_size": 1}, 0.010, 1.0, 0.96),
+        acc("ddp", "fast", "homogeneous", 0.004, 0.4, 0.96), acc("ddp", "slow", "homogeneous", 0.020, 2.0, 0.96),
+        acc("fsdp", "fast", "homogeneous", 0.006, 0.6, 0.96), acc("fsdp", "slow", "homogeneous", 0.050, 5.0, 0.96),
+        acc("ddp", "fast", "straggler", 0.008, 0.8, 0.96),
+        acc("ps-sync", "fast", "straggler", 0.030, 3.0, 0.96), acc("ps-async", "fast", "straggler", 0.020, 2.0, 0.90),
+        acc("ps-stale-aware", "fast", "straggler", 0.025, 2.5, 0.95), acc("ssp", "fast", "straggler", 0.022, 2.2, 0.955),
+        mem("ddp", 400.0), mem("fsdp", 100.0),
+    ]
+    findings = STUDIES.get("paper")().analyse(results, quick=True)
+    by_name = {h["headline"]: h for h in findings.headlines}
+    assert "2.50x" in by_name["DDP speedup over one device"]["measured"]
+    assert by_name["DDP speedup over one device"]["verdict"].startswith("agrees")
+    assert "0.25x" in by_name["FSDP peak memory per device"]["measured"]
+    assert "2.50x DDP's step time on the slow" in by_name["FSDP step time vs DDP"]["measured"]
+    assert "-33%" in by_name["Async PS vs sync PS"]["measured"]
+    assert by_name["Async PS vs sync PS"]["verdict"].startswith("agrees: async is faster and less accurate")
+    assert by_name["Staleness-aware protocol"]["verdict"].startswith("agrees")
+    assert any("fast network: ddp" in d for d in findings.decisions)
+    assert any("Memory-bound" in d and "0.25x" in d for d in findings.decisions)
+    assert any("ssp reached it in 2.2 s" in d for d in findings.decisions)
