@@ -36,7 +36,12 @@ def measure_matmul_flops(threads: int, size: int = 384, repeats: int = 8) -> flo
 
 
 def resolve_link(network: NetworkSpec, threads: int) -> tuple[LinkModel | None, dict[str, Any]]:
-    """The emulated link (or None for the real network) and what the run records about it."""
+    """The emulated link (or None for the real network) and what the run records about it.
+
+    In `shaped` mode the returned link has infinite bandwidth (only alpha is
+    waited out in software) and the record's `shaped_bandwidth_bytes_per_s`
+    is the rate tc must enforce, after `scaled` division like any bandwidth.
+    """
     link = network.link()
     if link is None:
         return None, {"profile": "local", "mode": "real", "emulated": False}
@@ -50,5 +55,8 @@ def resolve_link(network: NetworkSpec, threads: int) -> tuple[LinkModel | None, 
         record.update(local_matmul_flops=local_flops, target_flops=network.target_flops(), scale_factor=slowdown)
     record["bandwidth_bytes_per_s"] = bandwidth
     if network.mode == "shaped":
-        record["latency"] = "emulated in software (this kernel has no netem)"
+        # tc enforces the bandwidth on real links (runtime/netns.py); software keeps only the latency.
+        record.update(shaped_bandwidth_bytes_per_s=bandwidth, software_bandwidth_bytes_per_s=None,
+                      latency="emulated in software (this kernel has no netem)")
+        return LinkModel(alpha_s, float("inf")), record
     return LinkModel(alpha_s, bandwidth), record

@@ -31,9 +31,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 import ddlscope
 from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
+from ddlscope.runtime.netns import ShapedNetwork
 from ddlscope.runtime.rows import rank_file, read_records, run_files
 from ddlscope.runtime.worker import worker_main
-from ddlscope.specs import Experiment
+from ddlscope.specs import ConfigError, Experiment
 from ddlscope.store import Store
 
 RDZV_ID = "ddlscope"
@@ -86,10 +87,31 @@ def run_dir_for(store_path: Path, run_uuid: str) -> Path:
 
 def launch(exp: Experiment, store_path: Path,
            on_progress: Callable[[dict[str, Any]], None] | None = None) -> LaunchResult:
-    """Run one experiment to the end and return how it went. Never leaves a run marked running."""
+    """Run one experiment to the end and return how it went. Never leaves a run marked running.
+
+    In `shaped` network mode the ranks' namespaces live for the whole launch and
+    are removed whatever happens; when this machine cannot shape, ShapingUnavailable
+    (a ConfigError, one line) is raised before the run is created.
+    """
+    cluster = exp.cluster
+    if cluster.network.mode != "shaped":
+        return _launch(exp, store_path, on_progress)
+    if cluster.nnodes > 1:
+        raise ConfigError(f"cluster.network.mode = 'shaped' runs on one node; cluster.nnodes = {cluster.nnodes} "
+                          "(use mode = 'emulated' across nodes)")
+    _, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
+    nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
+    with ShapedNetwork(nprocs, network_record["shaped_bandwidth_bytes_per_s"]) as shaped:
+        return _launch(exp, store_path, on_progress, shaped)
+
+
+def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, Any]], None] | None,
+            shaped: ShapedNetwork | None = None) -> LaunchResult:
     cluster = exp.cluster
     run_uuid = uuid.uuid4().hex
     link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
+    if shaped:
+        network_record.update(shaped.record())
     env_record = {**environment(), "network": network_record, "ranks": cluster.world_size,
                   "extra_ranks": exp.strategy.extra_ranks()}
     store: Store | None = None
@@ -130,7 +152,8 @@ def launch(exp: Experiment, store_path: Path,
     progress = _start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
     status, error = "finished", None
     try:
-        elastic_launch(config, worker_main)(exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "")
+        elastic_launch(config, worker_main)(exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "",
+                                            shaped.worker_json() if shaped else "")
     except ChildFailedError as exc:
         status, error = "failed", _first_failure(exc)
     except (KeyboardInterrupt, SignalException) as exc:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ddlscope.runtime.config import experiment_from_json
 from ddlscope.runtime.loop import LoopResult, train
+from ddlscope.runtime.netns import join_rank_namespace
 from ddlscope.runtime.ps_server import serve
 from ddlscope.runtime.rows import RowWriter, rank_file, read_records, remote_rank_file
 from ddlscope.specs import ClusterSpec, Experiment
@@ -39,7 +40,7 @@ def choose_backend(cluster: ClusterSpec, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def worker_main(experiment_json: str, run_dir: str, link_json: str = "") -> dict[str, Any]:
+def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping_json: str = "") -> dict[str, Any]:
     exp = experiment_from_json(experiment_json)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, node_rank = int(os.environ["LOCAL_RANK"]), int(os.environ.get("GROUP_RANK", "0"))
@@ -52,7 +53,10 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "") -> dict
             time.sleep(delay_s)
         device = choose_device(exp.cluster, local_rank)
         backend = choose_backend(exp.cluster, device)
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        if shaping_json:  # shaped network mode: gloo runs inside this rank's namespace
+            dist.init_process_group(backend, **join_rank_namespace(shaping_json, local_rank, rank, world, backend))
+        else:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         _check_same_experiment(exp)
         workers = exp.cluster.world_size
         # new_group is collective: every rank, servers included, must call it.

@@ -302,9 +302,11 @@ class _Analysis:
             sync = self.get("ps-sync", self.ps_network, "straggler")
             if servers and sync:
                 best_ps = min(servers, key=lambda r: self.wall(r) or math.inf)
+                pays = self.wall(best_ps) < self.wall(sync)
                 sentence += (f". Among parameter servers, {best_ps.cell.labels['strategy']} reached it in "
                              f"{self.wall(best_ps):.1f} s against ps-sync's {self.wall(sync):.1f} s: letting fast "
-                             "workers run ahead pays when the staleness stays bounded")
+                             + ("workers run ahead pays when the staleness stays bounded" if pays else
+                                "workers run ahead did not pay here; waiting for the straggler was cheaper"))
             out.append(sentence + ".")
         return out
 
