@@ -195,8 +195,13 @@ def _notes(run: Run) -> list[str]:
     if network.get("emulated"):
         scaled = f", scaled x1/{network['scale_factor']:.0f} to match {network.get('target_flops', 0):.3g} FLOP/s" \
             if network.get("scaled") else ""
-        notes.append(f"network '{network['profile']}' emulated: alpha {network['alpha_s'] * 1e6:.0f} us, "
-                     f"{network['bandwidth_bytes_per_s'] * 8 / 1e9:.4g} Gbit/s per rank{scaled}")
+        if network.get("mode") == "shaped":
+            notes.append(f"network '{network['profile']}' shaped with tc in network namespaces: "
+                         f"{network['shaped_bandwidth_bytes_per_s'] * 8 / 1e9:.4g} Gbit/s per rank{scaled}; "
+                         f"latency {network['alpha_s'] * 1e6:.0f} us emulated in software (no netem)")
+        else:
+            notes.append(f"network '{network['profile']}' emulated: alpha {network['alpha_s'] * 1e6:.0f} us, "
+                         f"{network['bandwidth_bytes_per_s'] * 8 / 1e9:.4g} Gbit/s per rank{scaled}")
     if run.shown_status != "finished":
         notes.append(f"run is {run.shown_status}: figures cover only the rows that were recorded")
     return notes
