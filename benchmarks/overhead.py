@@ -36,8 +36,9 @@ memory-measurement step (step 1). They are excluded from both sides:
 Each side's interval is divided by the number of timed steps (steps - W) and
 the slower rank counts (ranks run in lockstep through the all-reduce, so they
 differ by microseconds). The reported overhead is the median over repeats of
-ddlscope / bare of each interleaved pair (over the quiet pairs only, see below). For reference each line also shows
-the whole loop including warm-up (bare: from before step 0; ddlscope: train_s).
+ddlscope / bare of each interleaved pair (quiet pairs only, see below). For
+reference each line also shows the whole loop including warm-up (bare: from
+before step 0; ddlscope: train_s).
 Process start-up, rendezvous and ddlscope's ingestion into SQLite are outside
 both intervals: they are once-per-run costs, not per-step overhead.
 

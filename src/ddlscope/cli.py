@@ -28,11 +28,13 @@ console = Console()
 
 def _register_plugins() -> None:
     """Commands that live beside their layer (report, predict) add themselves to the app."""
+    from ddlscope.cli_advise import register as register_advise
     from ddlscope.cli_predict import register as register_predict
     from ddlscope.report.cli import register as register_report
 
     register_report(app)
     register_predict(app)
+    register_advise(app)
 
 
 _register_plugins()

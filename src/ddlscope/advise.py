@@ -1,0 +1,493 @@
+"""`ddlscope advise`: which data-parallel strategy to use for an experiment on a given GPU cluster.
+
+For the experiment's workload (built on the meta device: shapes only, no
+memory, no data) this module measures
+
+* FLOPs of one per-GPU batch, forward + backward, with
+  torch.utils.flop_counter.FlopCounterMode (attention through the math SDPA
+  kernel so its matmuls are counted);
+* the shapes of every nn.Linear, which go through the predict package's GEMM
+  efficiency curve (`compute.gemm_s`) to give the fraction of peak the
+  device reaches on this model;
+* the bytes autograd saves for backward (activations);
+
+then prices each strategy on the cluster with the predict package's
+strategy models (`predict.strategies`: DDP bucketed all-reduce overlapped
+with backward, FSDP all-gather x2 + reduce-scatter, parameter servers
+through one server's link), adds model-state memory per strategy, cost per
+step and time for the experiment's steps, and the statistical penalty of
+staleness measured in local runs from the store. See docs/advise.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ddlscope.predict import strategies as pst
+from ddlscope.predict.catalogue import GIB, Cluster, parse_cluster
+from ddlscope.specs import ConfigError, Experiment
+
+STRATEGY_NAMES = ("ddp", "fsdp", "ps-sync", "ps-async", "ssp", "ps-stale-aware")
+SYNC_STRATEGIES = ("ddp", "fsdp", "ps-sync")
+ASYNC_STRATEGIES = ("ps-async", "ssp", "ps-stale-aware")
+# Preference among (near-)ties, in the main study's order: simplest synchronous first.
+TIE_TOLERANCE = 0.03
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_SSP_STALENESS = 2  # ddlscope's ssp default (strategies/ps.py)
+
+
+# ---------------------------------------------------------------------------- workload profile
+@dataclass
+class WorkloadProfile:
+    """What one worker computes, stores and sends per step, measured on the built model."""
+
+    name: str
+    params: int
+    batch_per_gpu: int
+    flops_per_step: float  # one per-GPU batch, forward + backward
+    linear_flops_per_step: float  # of which in nn.Linear GEMMs
+    activation_bytes: float  # saved for backward, per-GPU batch
+    dtype: str  # of the weights: fp32 -> TF32 peak
+    weight_bytes_per_param: float
+    optimizer: str
+    optimizer_bytes_per_param: float
+    units: int  # FSDP wrap units (transformer blocks, else layers with weights)
+    gemms: list[tuple[int, int, int]] = field(default_factory=list)  # (m, n, k) of each Linear forward
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        return 2 * self.weight_bytes_per_param + self.optimizer_bytes_per_param
+
+
+def _optimizer_bytes(spec: Any, weight_bytes: float) -> float:
+    if spec.optimizer == "adamw":
+        return 2 * weight_bytes  # exp_avg + exp_avg_sq
+    return weight_bytes if spec.momentum > 0 else 0.0
+
+
+def profile_workload(exp: Experiment, workers: int) -> WorkloadProfile:
+    """Build the experiment's model on the meta device and count one per-GPU step."""
+    import torch
+    from torch import nn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddlscope.workloads import WORKLOADS
+
+    spec = exp.workload
+    batch = max(1, spec.batch_size // max(workers, 1))
+    workload = WORKLOADS.get(spec.name)
+    try:  # shapes only: no parameter memory, no data, whatever the model's size
+        with torch.device("meta"):
+            task = workload.build(spec, exp.seed)
+    except Exception:  # a workload whose data loading needs real tensors: build it for real
+        task = workload.build(spec, exp.seed)
+    device = next(task.model.parameters()).device
+    model = task.model
+    params = [p for p in model.parameters()]
+    n_params = sum(p.numel() for p in params)
+    param_ids = {id(p) for p in params}
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(params[0].dtype, "fp32")
+    weight_bytes = float(params[0].element_size())
+
+    ids = torch.arange(batch) % max(len(task.train), 1)
+    x, y = (t.to(device) for t in task.train.get(ids.to(device) if device.type == "meta" else ids))
+    model.train()
+
+    gemms: list[tuple[int, int, int]] = []
+
+    def on_linear(module: nn.Linear, inputs: tuple[Any, ...], _out: Any) -> None:
+        k = module.in_features
+        gemms.append((int(inputs[0].numel() // k), module.out_features, k))
+
+    hooks = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, nn.Linear)]
+    saved = [0.0]
+
+    def pack(t: Any) -> Any:
+        base = getattr(t, "_base", None)
+        if id(t) not in param_ids and (base is None or id(base) not in param_ids):
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH), counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = task.loss_fn(model(x), y)
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    units = len(lists[0]) if lists else sum(1 for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
+    return WorkloadProfile(
+        name=spec.name, params=int(n_params), batch_per_gpu=batch, flops_per_step=float(counter.get_total_flops()),
+        linear_flops_per_step=float(sum(6.0 * m * n * k for m, n, k in gemms)), activation_bytes=saved[0],
+        dtype=dtype, weight_bytes_per_param=weight_bytes, optimizer=spec.optimizer,
+        optimizer_bytes_per_param=_optimizer_bytes(spec, weight_bytes), units=max(units, 1), gemms=gemms)
+
+
+def achieved_fraction(profile: WorkloadProfile, cluster: Cluster) -> float:
+    """Fraction of the device's peak this model's step reaches, from the predict package's GEMM curve.
+
+    Each Linear costs its forward GEMM and its two backward GEMMs through `compute.gemm_s`
+    (efficiency by output shape, with a memory roofline); FLOPs outside Linear layers
+    (attention matmuls, element-wise) run at the Linear layers' FLOP-weighted efficiency.
+    """
+    from ddlscope.predict import compute
+
+    device = cluster.device
+    peak = _peak(profile, cluster)
+    if not profile.gemms or profile.linear_flops_per_step <= 0:
+        return device.efficiency.gemm_kernel_fraction * device.efficiency.sustained_fraction * 0.5
+    bpe = profile.weight_bytes_per_param
+    linear_s = 0.0
+    for m, n, k in profile.gemms:
+        linear_s += float(compute.gemm_s(m, n, k, device, peak, bytes_per_element=bpe)
+                          + compute.gemm_s(m, k, n, device, peak, bytes_per_element=bpe)
+                          + compute.gemm_s(k, n, m, device, peak, bytes_per_element=bpe))
+    fraction = profile.linear_flops_per_step / (peak * linear_s)
+    return max(min(fraction, 1.0), 1e-6)
+
+
+def _peak(profile: WorkloadProfile, cluster: Cluster) -> float:
+    peaks = cluster.device.peak_flops
+    compute_dtype = "tf32" if profile.dtype == "fp32" else profile.dtype
+    return peaks.get(compute_dtype) or cluster.device.peak(profile.dtype)
+
+
+# ---------------------------------------------------------------------------- staleness from local runs
+@dataclass
+class StalenessPenalty:
+    measured: bool
+    text: str
+    sync_run: int | None = None
+    async_run: int | None = None
+    metric_name: str | None = None
+    final_metric_ratio: float | None = None  # async final / sync final
+    samples_ratio: float | None = None  # samples async needed to reach sync's final metric / sync's samples
+    factor: float = 1.0  # multiplies the step time in the ranking (more samples for the same result)
+
+
+def _higher_is_better(metric_name: str) -> bool:
+    return metric_name == "accuracy"
+
+
+def _eval_curve(store: Any, run_id: int) -> list[tuple[float, float]]:
+    """(samples seen, metric) of one evaluating rank, in order."""
+    rows = [r for r in store.evals(run_id) if r["metric"] is not None]
+    if not rows:
+        return []
+    rank = min(r["rank"] for r in rows)
+    return sorted((float(r["samples_seen"] or 0), float(r["metric"])) for r in rows if r["rank"] == rank)
+
+
+def _samples_to_reach(curve: list[tuple[float, float]], target: float, higher: bool) -> float | None:
+    for samples, metric in curve:
+        if (metric >= target) if higher else (metric <= target):
+            return samples
+    return None
+
+
+def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPenalty]:
+    """Per async strategy: its latest finished local run of `workload` vs the latest ps-sync (else ddp) run."""
+    missing = {s: StalenessPenalty(False, f"not measured (no store at {db})") for s in ASYNC_STRATEGIES}
+    if db is None or not Path(db).exists():
+        return missing
+    from ddlscope.analysis.summary import summarize
+    from ddlscope.store import Store
+
+    with Store(db) as store:
+        sync_runs = store.find_runs(workload=workload, strategy="ps-sync") or store.find_runs(workload=workload,
+                                                                                               strategy="ddp")
+        if not sync_runs:
+            return {s: StalenessPenalty(False, f"not measured (no finished ps-sync or ddp run of {workload})")
+                    for s in ASYNC_STRATEGIES}
+        sync = sync_runs[0]
+        sync_sum = summarize(store, sync)
+        out: dict[str, StalenessPenalty] = {}
+        for strategy in ASYNC_STRATEGIES:
+            runs = store.find_runs(workload=workload, strategy=strategy)
+            if not runs:
+                out[strategy] = StalenessPenalty(False, f"not measured (no finished {strategy} run of {workload})")
+                continue
+            run = runs[0]
+            out[strategy] = _compare(store, sync, sync_sum, run, summarize(store, run))
+        return out
+
+
+def _compare(store: Any, sync: Any, sync_sum: Any, run: Any, run_sum: Any) -> StalenessPenalty:
+    if sync_sum.final_eval and run_sum.final_eval and sync_sum.final_eval.get("metric_name") == \
+            run_sum.final_eval.get("metric_name"):
+        name = str(sync_sum.final_eval["metric_name"])
+        s_final, a_final = float(sync_sum.final_eval["metric"]), float(run_sum.final_eval["metric"])
+    elif sync_sum.final_loss is not None and run_sum.final_loss is not None:
+        name, s_final, a_final = "loss", float(sync_sum.final_loss), float(run_sum.final_loss)
+    else:
+        return StalenessPenalty(False, f"not measured (runs {sync.id}/{run.id} have no final metric)",
+                                sync_run=sync.id, async_run=run.id)
+    higher = _higher_is_better(name)
+    ratio = a_final / s_final if s_final else None
+    pen = StalenessPenalty(True, "", sync_run=sync.id, async_run=run.id, metric_name=name, final_metric_ratio=ratio)
+    worse = 1.0
+    if ratio:
+        worse = max(1.0, (1.0 / ratio) if higher else ratio)
+    text = f"final {name} {a_final:.4g} vs {s_final:.4g} for {sync.strategy} (ratio {ratio:.3f})" if ratio else \
+        f"final {name} {a_final:.4g} vs {s_final:.4g} for {sync.strategy}"
+    sync_curve, async_curve = _eval_curve(store, sync.id), _eval_curve(store, run.id)
+    if sync_curve and async_curve:
+        s_need = _samples_to_reach(sync_curve, s_final, higher)
+        a_need = _samples_to_reach(async_curve, s_final, higher)
+        if s_need and a_need:
+            pen.samples_ratio = a_need / s_need
+            worse = max(pen.samples_ratio, 1.0)
+            text += f"; {pen.samples_ratio:.2f}x the samples to reach {sync.strategy}'s final {name}"
+        elif s_need and a_need is None:
+            text += f"; never reached {sync.strategy}'s final {name}"
+    pen.factor = worse
+    pen.text = text + f" (runs {run.id} vs {sync.id})"
+    return pen
+
+
+# ---------------------------------------------------------------------------- per-strategy estimates
+@dataclass
+class StrategyAdvice:
+    strategy: str
+    synchronous: bool
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    comm_compute_ratio: float
+    samples_per_s: float
+    memory_bytes_per_gpu: float
+    memory_gib_per_gpu: float
+    server_memory_gib: float | None
+    fits: bool
+    cost_usd_per_step: float
+    experiment_steps: int
+    experiment_time_s: float
+    experiment_cost_usd: float
+    mean_staleness_steps: float
+    staleness_penalty: str
+    staleness_factor: float
+    effective_step_s: float  # step_s x staleness factor: what the ranking uses
+    rank: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Advice:
+    experiment: str
+    workload: dict[str, Any]
+    cluster: str
+    device: str
+    workers: int
+    stragglers: float
+    achieved_fraction_of_peak: float
+    strategies: list[StrategyAdvice]
+    recommendation: str
+    reasons: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def by_name(self, name: str) -> StrategyAdvice:
+        return next(s for s in self.strategies if s.strategy == name)
+
+
+def _memory(profile: WorkloadProfile, strategy: str, n: int, bucket_mb: float) -> tuple[float, float | None]:
+    """(bytes per GPU, server bytes or None): model states by strategy plus activations."""
+    p, wb, ob = profile.params, profile.weight_bytes_per_param, profile.optimizer_bytes_per_param
+    act = profile.activation_bytes
+    if strategy == "ddp":
+        return p * (2 * wb + ob) + 2 * bucket_mb * 2**20 + act, None
+    if strategy == "fsdp":
+        gathered = 2 * wb * p / profile.units  # the unit in use and the prefetched one
+        return p * (2 * wb + ob) / n + gathered + act, None
+    return p * 2 * wb + act, p * (wb + ob)  # PS: workers hold weights + grads; the server the optimizer
+
+
+def advise(exp: Experiment, cluster_text: str, stragglers: float = 1.0, db: Path | None = None,
+           profile: WorkloadProfile | None = None) -> Advice:
+    """Rank the six strategies for `exp` on `cluster_text`; see the module docstring."""
+    cluster = parse_cluster(cluster_text)
+    if not (stragglers >= 1.0) or math.isinf(stragglers):
+        raise ConfigError(f"--stragglers = {stragglers}: must be a finite number >= 1 (1 = no straggler)")
+    n = cluster.n_gpus
+    profile = profile or profile_workload(exp, n)
+    fraction = achieved_fraction(profile, cluster)
+    pw = pst.Workload(name=profile.name, params=float(profile.params),
+                      flops_per_sample=profile.flops_per_step / profile.batch_per_gpu,
+                      batch_per_worker=profile.batch_per_gpu,
+                      activation_bytes_per_sample=profile.activation_bytes / profile.batch_per_gpu,
+                      dtype=profile.dtype, grad_bytes_per_param=profile.weight_bytes_per_param,
+                      state_bytes_per_param=profile.state_bytes_per_param, achieved_fraction=fraction,
+                      layers=profile.units)
+    slowdowns: Sequence[float] | None = [stragglers] + [1.0] * (n - 1) if stragglers > 1.0 else None
+    bucket_mb = float(getattr(exp.strategy, "bucket_mb", DEFAULT_BUCKET_MB) or DEFAULT_BUCKET_MB)
+    ssp_s = int(getattr(exp.strategy, "staleness", DEFAULT_SSP_STALENESS)) if exp.strategy.name == "ssp" \
+        else DEFAULT_SSP_STALENESS
+    # One parameter server on one of the cluster's nodes: its NIC (or the node's link when all fits in a node).
+    link = cluster.node.inter if cluster.nodes > 1 else cluster.node.intra
+    dev = cluster.device
+    server = pst.ServerSpec(servers=1, link_gb_per_s=link.achieved_bytes_per_s / 1e9,
+                            aggregate_gb_per_s=dev.memory_bandwidth_bytes_per_s * dev.efficiency.memory_fraction
+                            / 3 / 1e9, alpha_s=link.alpha_s)
+    estimates = {
+        "ddp": pst.ddp(pw, cluster, bucket_mb=bucket_mb, slowdowns=slowdowns),
+        # the slowest worker sets every synchronous step: FSDP's collectives hide behind its longer compute
+        "fsdp": pst.fsdp(pst.Workload(**{**asdict(pw), "achieved_fraction": fraction / stragglers}), cluster, 3),
+        "ps-sync": pst.parameter_server(pw, cluster, "sync", server, slowdowns=slowdowns),
+        "ps-async": pst.parameter_server(pw, cluster, "async", server, slowdowns=slowdowns),
+        "ssp": pst.parameter_server(pw, cluster, "ssp", server, staleness=ssp_s, slowdowns=slowdowns),
+        "ps-stale-aware": pst.parameter_server(pw, cluster, "async", server, slowdowns=slowdowns),
+    }
+    penalties = staleness_penalties(db, profile.name)
+    price = dev.price_usd_per_hour
+    usable = dev.memory_bytes - dev.framework_overhead_bytes
+    steps = exp.workload.steps
+    rows: list[StrategyAdvice] = []
+    for name in STRATEGY_NAMES:
+        est = estimates[name]
+        mem, server_mem = _memory(profile, name, n, bucket_mb)
+        pen = penalties.get(name, StalenessPenalty(True, "none (synchronous: no staleness)"))
+        step = float(est.step_s)
+        notes = list(est.notes)
+        if name == "ssp" and slowdowns:
+            notes.append(f"bounded staleness s={ssp_s}: a persistent straggler still sets the pace in the long run")
+        rows.append(StrategyAdvice(
+            strategy=name, synchronous=name in SYNC_STRATEGIES, step_s=step, compute_s=float(est.compute_s),
+            comm_s=float(est.comm_s), exposed_comm_s=float(est.exposed_comm_s),
+            comm_compute_ratio=float(est.comm_s) / float(est.compute_s) if est.compute_s else math.inf,
+            samples_per_s=float(est.samples_per_s), memory_bytes_per_gpu=mem, memory_gib_per_gpu=mem / GIB,
+            server_memory_gib=server_mem / GIB if server_mem is not None else None, fits=mem <= usable,
+            cost_usd_per_step=price * n * step / 3600.0, experiment_steps=steps, experiment_time_s=steps * step,
+            experiment_cost_usd=price * n * step * steps / 3600.0, mean_staleness_steps=float(est.mean_staleness_steps),
+            staleness_penalty=pen.text, staleness_factor=pen.factor, effective_step_s=step * pen.factor,
+            notes=notes))
+    ranked = _rank(rows)
+    winner = ranked[0]
+    reasons = _reasons(ranked, winner, profile, cluster, stragglers, fraction, usable)
+    return Advice(experiment=exp.name or exp.workload.name, workload=_workload_dict(profile), cluster=str(cluster),
+                  device=dev.key, workers=n, stragglers=stragglers, achieved_fraction_of_peak=fraction,
+                  strategies=ranked, recommendation=winner.strategy, reasons=reasons)
+
+
+def _workload_dict(profile: WorkloadProfile) -> dict[str, Any]:
+    d = asdict(profile)
+    d.pop("gemms")
+    d["state_bytes_per_param"] = profile.state_bytes_per_param
+    return d
+
+
+def _rank(rows: list[StrategyAdvice]) -> list[StrategyAdvice]:
+    """Fitting strategies first, by effective step time; near-ties (3%) go to the earlier, simpler one."""
+    order = {name: i for i, name in enumerate(STRATEGY_NAMES)}
+    ranked = sorted(rows, key=lambda r: (not r.fits, r.effective_step_s, order[r.strategy]))
+    fitting = [r for r in ranked if r.fits]
+    if fitting:
+        best = fitting[0].effective_step_s
+        close = [r for r in fitting if r.effective_step_s <= best * (1 + TIE_TOLERANCE)]
+        first = min(close, key=lambda r: order[r.strategy])
+        ranked.remove(first)
+        ranked.insert(0, first)
+    for i, r in enumerate(ranked, 1):
+        r.rank = i
+    return ranked
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.3g} GiB"
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:.3g} min"
+    return f"{s / 3600:.3g} h"
+
+
+def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: WorkloadProfile, cluster: Cluster,
+             stragglers: float, fraction: float, usable: float) -> list[str]:
+    by = {r.strategy: r for r in ranked}
+    ddp, fsdp, sync, asyn = by["ddp"], by["fsdp"], by["ps-sync"], by["ps-async"]
+    n = cluster.n_gpus
+    reasons: list[str] = []
+    reasons.append(
+        f"Compute: {profile.flops_per_step / 1e12:.3g} TFLOP per GPU per step ({profile.batch_per_gpu} samples, "
+        f"{profile.params / 1e6:.4g}M parameters) at {fraction:.2g} of the {cluster.device.key} peak takes "
+        f"{_ms(ddp.compute_s / stragglers)} per step"
+        + (f" ({_ms(ddp.compute_s)} on the {stragglers:g}x slower worker)." if stragglers > 1 else "."))
+    grad_mb = profile.params * profile.weight_bytes_per_param / 1e6
+    overlap = "hidden behind the backward pass" if ddp.exposed_comm_s < 0.05 * ddp.compute_s else \
+        f"only partly hidden ({_ms(ddp.exposed_comm_s)} exposed)"
+    reasons.append(
+        f"Bandwidth: DDP all-reduces {grad_mb:.4g} MB of gradients over {n} GPUs in {_ms(ddp.comm_s)}, "
+        f"a comm/compute ratio of {ddp.comm_compute_ratio:.2g}, {overlap}; one parameter server must move "
+        f"{n} x {grad_mb:.4g} MB in and out through a single link, {_ms(sync.comm_s)} per synchronous step "
+        f"(ratio {sync.comm_compute_ratio:.2g}).")
+    states = profile.params * profile.state_bytes_per_param
+    if ddp.fits:
+        mem_text = (f"Memory: replicated model states ({_gib(states)}) plus activations ({_gib(profile.activation_bytes)}) "
+                    f"take {_gib(ddp.memory_bytes_per_gpu)} per GPU and fit in the {_gib(usable)} usable per "
+                    f"{cluster.device.key}, so the model is not memory-bound and FSDP's sharding buys nothing "
+                    f"but extra collectives.")
+    else:
+        mem_text = (f"Memory: replicated model states ({_gib(states)}) plus activations need "
+                    f"{_gib(ddp.memory_bytes_per_gpu)} per GPU, more than the {_gib(usable)} usable per "
+                    f"{cluster.device.key}: DDP and the parameter-server workers do not fit; FSDP shards the states "
+                    f"{n} ways to {_gib(fsdp.memory_bytes_per_gpu)} per GPU"
+                    + (" and fits." if fsdp.fits else ", and even that does not fit: more GPUs or a smaller model."))
+    reasons.append(mem_text)
+    if stragglers > 1:
+        reasons.append(
+            f"Heterogeneity: with one worker {stragglers:g}x slower, every synchronous step waits for it "
+            f"(DDP {_ms(ddp.step_s)}, ps-sync {_ms(sync.step_s)} per step), while ps-async lets each worker "
+            f"run at its own pace ({asyn.samples_per_s:.4g} samples/s against ps-sync's {sync.samples_per_s:.4g}), "
+            f"bounded by the server link"
+            + (" - which is what caps it here." if any("server-bound" in x for x in asyn.notes) else "."))
+    else:
+        reasons.append(
+            "Scheduling: the workers are assumed identical and gang-scheduled, so synchronous steps lose nothing to "
+            "stragglers and asynchrony only adds staleness (pass --stragglers F to model one slow worker).")
+    measured = [r for r in ranked if not r.synchronous and not r.staleness_penalty.startswith("not measured")]
+    if measured:
+        reasons.append("Staleness, measured locally: " + "; ".join(
+            f"{r.strategy}: {r.staleness_penalty}" for r in measured) + ".")
+    else:
+        reasons.append("Staleness: its statistical cost was not measured (no finished local runs of this workload "
+                       "with ps-async/ssp/ps-stale-aware and ps-sync or ddp in the store); async step times are "
+                       "ranked as if an update were worth a synchronous one.")
+    runner = next((r for r in ranked if r is not winner), None)
+    framework = {
+        "ddp": "the main study's choice for a homogeneous, gang-scheduled cluster whose model fits",
+        "fsdp": "the main study's choice when the model does not fit replicated",
+        "ps-sync": "synchronous, but through a server",
+        "ps-async": "the main study's choice when workers are heterogeneous or not gang-scheduled",
+        "ssp": "asynchrony with bounded staleness, for heterogeneous workers",
+        "ps-stale-aware": "asynchrony with a staleness-aware learning rate, for heterogeneous workers",
+    }[winner.strategy]
+    rec = (f"Recommendation: {winner.strategy} ({framework}): {_ms(winner.step_s)} per step, "
+           f"{winner.samples_per_s:.4g} samples/s, {_gib(winner.memory_bytes_per_gpu)} per GPU, "
+           f"${winner.cost_usd_per_step:.3g} per step, {_duration(winner.experiment_time_s)} and "
+           f"${winner.experiment_cost_usd:.3g} for the experiment's {winner.experiment_steps} steps")
+    if runner is not None:
+        rec += (f"; next is {runner.strategy} at {_ms(runner.effective_step_s)} per step"
+                + ("" if runner.fits else " (does not fit)"))
+    if not winner.fits:
+        rec += "; note that no strategy fits this device"
+    reasons.append(rec + ".")
+    if stragglers > 1 and winner.synchronous:
+        reasons.append(f"The framework points to asynchrony for heterogeneous workers, but here the predicted numbers "
+                       f"favour {winner.strategy}: one server's link costs asynchronous PS more than waiting for the "
+                       f"{stragglers:g}x straggler costs {winner.strategy}.")
+    return reasons

@@ -1,0 +1,93 @@
+"""`ddlscope advise`: rank DDP, FSDP and the parameter-server strategies for an experiment on a GPU cluster.
+
+`register(app)` adds the command to a typer app. Bad input raises
+`ddlscope.specs.ConfigError`; the CLI's main() prints its one-line message
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ddlscope.specs import ConfigError
+
+console = Console()
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `advise` command to `app`."""
+    app.command("advise")(advise_command)
+
+
+def advise_command(
+    config: Annotated[Optional[Path], typer.Argument(help="TOML experiment file (as for `ddlscope run`).")] = None,
+    cluster: Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:4x8; "
+                                                   "workers = its GPUs.")] = None,
+    stragglers: Annotated[float, typer.Option("--stragglers", help="One worker this many times slower (1 = none).")] = 1.0,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps of the experiment.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Global batch size (split over the cluster's GPUs).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value (repeatable).")] = None,
+    db: Annotated[Path, typer.Option("--db", help="SQLite store with local runs (for the staleness penalty).")] = Path("ddlscope.db"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Rank ddp, fsdp, ps-sync, ps-async, ssp and ps-stale-aware for an experiment on a GPU cluster, and explain."""
+    from ddlscope.advise import advise
+    from ddlscope.predict.catalogue import parse_cluster
+    from ddlscope.runtime.config import load_experiment, parse_override
+
+    if not cluster:
+        raise ConfigError("--cluster is required, e.g. --cluster a100-80gb:4x8")
+    the_cluster = parse_cluster(cluster)  # fail fast, before building anything
+    overrides: dict[str, Any] = {}
+    for key, value in (("workload.name", workload), ("workload.steps", steps), ("workload.batch_size", batch_size)):
+        if value is not None:
+            overrides[key] = value
+    for item in set_ or []:
+        key, value = parse_override(item)
+        overrides[key] = value
+    # The local cluster section describes `ddlscope run`'s ranks, not the target cluster: keep it out of the way.
+    overrides.setdefault("cluster.world_size", 1)
+    exp = load_experiment(config, overrides)
+    result = advise(exp, str(the_cluster), stragglers=stragglers, db=db)
+    if as_json:
+        print(json.dumps(result.to_dict(), default=str))
+        return
+    _print(result)
+
+
+def _print(result: Any) -> None:
+    out = console if console.is_terminal else Console(width=140)  # no wrapped table when piped
+    out.print(f"[bold]{result.experiment}[/bold] ({result.workload['name']}, "
+                  f"{result.workload['params'] / 1e6:.4g}M parameters) on {result.cluster}: {result.workers} workers"
+                  + (f", one {result.stragglers:g}x slower" if result.stragglers > 1 else ""))
+    table = Table("#", "strategy", "step", "comm (exposed)", "samples/s", "GiB/GPU", "fits", "$/step", "experiment")
+    for r in result.strategies:
+        table.add_row(str(r.rank), r.strategy, _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
+                      f"{r.samples_per_s:.4g}", f"{r.memory_gib_per_gpu:.3g}", "yes" if r.fits else "[red]no[/red]",
+                      f"{r.cost_usd_per_step:.3g}", _duration(r.experiment_time_s))
+    out.print(table)
+    for r in result.strategies:
+        if not r.synchronous:
+            out.print(f"staleness penalty, {r.strategy}: {r.staleness_penalty}", markup=False, highlight=False)
+    out.print(f"[bold]recommendation: {result.recommendation}[/bold]")
+    for reason in result.reasons:
+        out.print(f"- {reason}", markup=False, highlight=False)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.3g} s"
+    if s < 7200:
+        return f"{s / 60:.3g} min"
+    return f"{s / 3600:.3g} h"

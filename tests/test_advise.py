@@ -1,0 +1,127 @@
+"""`ddlscope advise`: strategy ranking on a predicted cluster, memory fit, stragglers, staleness, errors, JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddlscope.cli import app, main
+from ddlscope.cli_advise import register
+
+if not any((c.name or c.callback.__name__) in ("advise", "advise_command") for c in app.registered_commands):
+    register(app)
+
+# A compute-heavy GPT: 150M parameters, 1024-token sequences, 8 sequences per GPU on 32 GPUs.
+GPT_HEAVY = ["--workload", "gpt-synthetic", "--set", "workload.hidden=1024", "--set", "workload.layers=12",
+             "--set", "workload.heads=16", "--set", "workload.seq_len=1024", "--batch-size", "256"]
+# 1.2B parameters with AdamW in fp32: 19 GB of model states, too many for a 24 GB A10G with activations.
+GPT_BIG = ["--workload", "gpt-synthetic", "--set", "workload.hidden=2048", "--set", "workload.layers=24",
+           "--set", "workload.heads=16", "--set", "workload.seq_len=256", "--batch-size", "64"]
+# A small GPT, little compute per step: the slow network and the straggler matter.
+GPT_SMALL = ["--workload", "gpt-synthetic", "--set", "workload.hidden=256", "--set", "workload.layers=4",
+             "--set", "workload.heads=4", "--set", "workload.seq_len=128", "--batch-size", "64"]
+
+
+def advise_json(capsys, *args: str) -> dict:
+    rc = main(["advise", *args, "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    return json.loads(out)
+
+
+def by_name(result: dict) -> dict[str, dict]:
+    return {s["strategy"]: s for s in result["strategies"]}
+
+
+def test_compute_heavy_gpt_on_fast_cluster_recommends_ddp(capsys, tmp_path):
+    result = advise_json(capsys, *GPT_HEAVY, "--cluster", "a100-80gb:4x8", "--db", str(tmp_path / "none.db"))
+    assert result["recommendation"] == "ddp"
+    s = by_name(result)
+    assert s["ddp"]["rank"] == 1 and s["ddp"]["fits"]
+    assert s["ddp"]["comm_compute_ratio"] < 0.5  # compute-heavy: the all-reduce hides behind backward
+    assert s["ddp"]["step_s"] < s["ps-sync"]["step_s"]
+    assert result["workers"] == 32
+    assert result["workload"]["flops_per_step"] > 1e12
+    assert s["ps-async"]["staleness_penalty"].startswith("not measured")
+
+
+def test_model_too_big_for_replicas_recommends_fsdp(capsys, tmp_path):
+    result = advise_json(capsys, *GPT_BIG, "--cluster", "a10g:2x4", "--db", str(tmp_path / "none.db"))
+    s = by_name(result)
+    assert result["recommendation"] == "fsdp"
+    assert not s["ddp"]["fits"] and s["fsdp"]["fits"]
+    assert s["fsdp"]["memory_bytes_per_gpu"] < s["ddp"]["memory_bytes_per_gpu"] / 2
+    assert any("do not fit" in r for r in result["reasons"])
+
+
+def test_straggler_on_slow_network_puts_async_above_sync(capsys, tmp_path):
+    db = str(tmp_path / "none.db")
+    result = advise_json(capsys, *GPT_SMALL, "--cluster", "a10g:2x4", "--stragglers", "3", "--db", db)
+    s = by_name(result)
+    assert s["ps-async"]["rank"] < s["ps-sync"]["rank"]
+    assert s["ps-async"]["samples_per_s"] > s["ps-sync"]["samples_per_s"]
+    base = by_name(advise_json(capsys, *GPT_SMALL, "--cluster", "a10g:2x4", "--db", db))
+    # the straggler slows every synchronous strategy by its own factor on compute
+    assert s["ddp"]["compute_s"] == pytest.approx(3 * base["ddp"]["compute_s"])
+    assert s["ps-sync"]["step_s"] > base["ps-sync"]["step_s"]
+
+
+def test_bad_cluster_is_one_line_exit_2(capsys):
+    rc = main(["advise", "configs/default.toml", "--cluster", "a100-80gb:4by8"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("error:") and "\n" not in err and "NAME:NODESxGPUS_PER_NODE" in err
+    rc = main(["advise", "configs/default.toml", "--cluster", "a100-80gb:1x8", "--stragglers", "0.5"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "--stragglers" in err
+
+
+def test_json_has_the_keys(capsys, tmp_path):
+    result = advise_json(capsys, "configs/default.toml", "--cluster", "a100-80gb:1x8", "--db", str(tmp_path / "x.db"))
+    assert {"strategies", "recommendation", "reasons", "cluster", "workers", "workload"} <= set(result)
+    assert [s["strategy"] for s in result["strategies"]].count("ddp") == 1
+    assert {s["strategy"] for s in result["strategies"]} == {"ddp", "fsdp", "ps-sync", "ps-async", "ssp",
+                                                              "ps-stale-aware"}
+    for s in result["strategies"]:
+        assert {"rank", "step_s", "compute_s", "comm_s", "memory_bytes_per_gpu", "fits", "cost_usd_per_step",
+                "experiment_time_s", "staleness_penalty"} <= set(s)
+    assert result["recommendation"] == result["strategies"][0]["strategy"]
+    assert all(isinstance(r, str) and r for r in result["reasons"])
+
+
+def _fake_run(store, strategy: str, curve: list[tuple[int, float]]) -> int:
+    run_id = store.create_run(uuid=f"u-{strategy}", name=strategy, workload="mlp-digits", strategy=strategy,
+                              world_size=2, config={}, code_version="test", seed=0, environment={})
+    store.mark_running(run_id)
+    rows = [{"kind": "step", "rank": 0, "step": i, "t_s": 0.01 * i, "data_s": 0.0, "forward_s": 0.001,
+             "backward_s": 0.002, "comm_wait_s": 0.0, "optimizer_s": 0.0, "step_s": 0.01, "comm_s": 0.0,
+             "compute_cpu_s": 0.003, "samples": 32, "loss": 1.0, "bytes_sent": 0} for i in range(3)]
+    rows += [{"kind": "eval", "rank": 0, "step": i, "wall_s": 0.1 * i, "samples_seen": samples,
+              "metric_name": "accuracy", "metric": acc, "loss": 1.0 - acc} for i, (samples, acc) in enumerate(curve)]
+    store.ingest(run_id, rows)
+    store.mark_done(run_id, "finished")
+    return run_id
+
+
+def test_staleness_penalty_measured_from_local_runs(capsys, tmp_path):
+    from ddlscope.store import Store
+
+    db = tmp_path / "runs.db"
+    with Store(db) as store:
+        _fake_run(store, "ps-sync", [(1000, 0.5), (2000, 0.8), (3000, 0.9)])
+        _fake_run(store, "ps-async", [(1000, 0.4), (2000, 0.6), (3000, 0.8), (6000, 0.9)])
+    result = advise_json(capsys, "configs/default.toml", "--cluster", "a100-80gb:1x8", "--db", str(db))
+    s = by_name(result)
+    assert s["ps-async"]["staleness_factor"] == pytest.approx(2.0)  # 6000 samples vs 3000 to reach 0.9
+    assert "2.00x the samples" in s["ps-async"]["staleness_penalty"]
+    assert s["ps-async"]["effective_step_s"] == pytest.approx(2 * s["ps-async"]["step_s"])
+    assert s["ssp"]["staleness_penalty"].startswith("not measured")
+    assert any("measured locally" in r for r in result["reasons"])
+
+
+def test_text_output_explains(capsys, tmp_path):
+    rc = main(["advise", *GPT_HEAVY, "--cluster", "a100-80gb:4x8", "--db", str(tmp_path / "none.db")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "recommendation: ddp" in out and "Bandwidth:" in out and "Memory:" in out
