@@ -36,8 +36,6 @@ def _register_plugins() -> None:
     register_predict(app)
     register_advise(app)
 
-
-_register_plugins()
 err_console = Console(stderr=True)
 
 DbOption = Annotated[Path, typer.Option("--db", help="SQLite store holding runs and their rows.")]
@@ -422,6 +420,9 @@ def _print_summary(s: Any) -> None:
         console.print(mt)
     for note in s.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+
+
+_register_plugins()  # after the core commands, so `--help` lists those first
 
 
 # ---------------------------------------------------------------------------- entry point
