@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: env study test clean
+.PHONY: env study test browser clean
 
 # The environment is rebuilt only when the project's dependencies change.
 $(STAMP): pyproject.toml constraints.txt
@@ -23,6 +23,10 @@ study: env
 
 test: env
 	$(BIN)/python scripts/run_tests.py
+
+# Debian's chromium for the report's browser test (skipped, with its reason, without it).
+browser:
+	command -v chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium; }
 
 clean:
 	rm -rf $(VENV) ddlscope.db ddlscope.db-wal ddlscope.db-shm ddlscope-runs
