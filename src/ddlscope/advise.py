@@ -408,7 +408,7 @@ def _gib(b: float) -> str:
     return f"{b / GIB:.3g} GiB"
 
 
-def _duration(s: float) -> str:
+def duration_text(s: float) -> str:
     if s < 120:
         return f"{s:.3g} s"
     if s < 7200:
@@ -478,7 +478,7 @@ def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: Work
     }[winner.strategy]
     rec = (f"Recommendation: {winner.strategy} ({framework}): {_ms(winner.step_s)} per step, "
            f"{winner.samples_per_s:.4g} samples/s, {_gib(winner.memory_bytes_per_gpu)} per GPU, "
-           f"${winner.cost_usd_per_step:.3g} per step, {_duration(winner.experiment_time_s)} and "
+           f"${winner.cost_usd_per_step:.3g} per step, {duration_text(winner.experiment_time_s)} and "
            f"${winner.experiment_cost_usd:.3g} for the experiment's {winner.experiment_steps} steps")
     if runner is not None:
         rec += (f"; next is {runner.strategy} at {_ms(runner.effective_step_s)} per step"

@@ -63,6 +63,8 @@ def advise_command(
 
 
 def _print(result: Any) -> None:
+    from ddlscope.advise import duration_text
+
     out = console if console.is_terminal else Console(width=140)  # no wrapped table when piped
     out.print(f"[bold]{result.experiment}[/bold] ({result.workload['name']}, "
                   f"{result.workload['params'] / 1e6:.4g}M parameters) on {result.cluster}: {result.workers} workers"
@@ -71,7 +73,7 @@ def _print(result: Any) -> None:
     for r in result.strategies:
         table.add_row(str(r.rank), r.strategy, _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
                       f"{r.samples_per_s:.4g}", f"{r.memory_gib_per_gpu:.3g}", "yes" if r.fits else "[red]no[/red]",
-                      f"{r.cost_usd_per_step:.3g}", _duration(r.experiment_time_s))
+                      f"{r.cost_usd_per_step:.3g}", duration_text(r.experiment_time_s))
     out.print(table)
     for r in result.strategies:
         if not r.synchronous:
@@ -85,9 +87,3 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
 
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.3g} s"
-    if s < 7200:
-        return f"{s / 60:.3g} min"
-    return f"{s / 3600:.3g} h"

@@ -179,6 +179,8 @@ class Experiment(Spec):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     save_model_path: str | None = Field(None, description="rank 0 saves the final model's state_dict here (torch.save)")
     checkpoint_dir: str | None = Field(None, description="save a torch.distributed.checkpoint of model + optimizer here at the end")
+    trace_steps: int = Field(0, ge=0, description="torch.profiler trace of steps 1..N on every rank (0: off); "
+                             "`ddlscope trace RUN` merges them")
 
     def per_rank_batch(self) -> int:
         if self.strategy.splits_global_batch:

@@ -115,12 +115,13 @@ class Run:
     def shown_status(self) -> str:
         """A 'running' run whose launcher on this host is gone died without saying so."""
         if self.status == "running" and self.host == socket.gethostname() and self.launcher_pid:
-            if not _pid_alive(self.launcher_pid):
+            if not pid_alive(self.launcher_pid):
                 return "died"
         return self.status
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

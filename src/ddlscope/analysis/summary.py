@@ -3,6 +3,14 @@
 Throughput counts steady-state steps only: step 0 pays one-off costs (DDP
 bucket construction, lazy allocation), so it is left out when there are
 others. A step lasts as long as its slowest rank.
+
+MFU is per rank: the model FLOPs of one of the rank's steps (counted before
+training, event `flops`) over the effective step time, over the peak FLOP/s
+of the rank's own device (or cores). With data parallelism each rank's FLOPs
+are those of its per-rank batch; with sharding (FSDP) each rank still
+computes the whole model on its batch, so nothing is divided. HFU uses
+hardware FLOPs (model FLOPs plus recomputation; equal here, since no
+strategy recomputes activations).
 """
 
 from __future__ import annotations
@@ -40,6 +48,14 @@ class Summary:
     staleness: dict[str, float] = field(default_factory=dict)  # parameter servers: mean, max, updates
     server_busy_fraction: float | None = None  # parameter servers: apply CPU time / server wall time
     notes: list[str] = field(default_factory=list)
+    model_flops_per_step: float | None = None  # per rank: forward + backward of its per-rank batch
+    hardware_flops_per_step: float | None = None  # per rank: model FLOPs + recomputation (none here)
+    achieved_flops_per_s: float | None = None  # per rank: model FLOPs / effective step time
+    peak_flops_per_s: float | None = None  # per rank: what MFU divides by (see flops_basis)
+    mfu: float | None = None  # achieved model FLOP/s / peak, mean over ranks
+    hfu: float | None = None  # achieved hardware FLOP/s / peak, mean over ranks
+    mfu_by_rank: dict[int, float] = field(default_factory=dict)
+    flops_basis: str | None = None
 
     @property
     def timing_basis(self) -> str:
@@ -58,6 +74,7 @@ class Summary:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["memory_bytes_by_rank"] = {str(k): v for k, v in self.memory_bytes_by_rank.items()}
+        d["mfu_by_rank"] = {str(k): v for k, v in self.mfu_by_rank.items()}
         return d
 
 
@@ -104,7 +121,7 @@ def summarize(store: Store, run: Run) -> Summary:
     for r in rows:
         per_rank_total[r["rank"]] = per_rank_total.get(r["rank"], 0.0) + (
             r["step_s"] - r["forward_s"] - r["backward_s"] + r["compute_cpu_s"])
-    return Summary(
+    summary = Summary(
         run=_run_info(run), steps_recorded=len(steps), ranks_recorded=len({r["rank"] for r in rows}),
         warmup_steps_excluded=warmup, mean_step_s=mean_step_s, throughput_samples_per_s=throughput,
         baseline_run_id=baseline.id if baseline else None, speedup_vs_single=speedup,
@@ -116,6 +133,38 @@ def summarize(store: Store, run: Run) -> Summary:
         cpu_derived_wall_s=max(per_rank_total.values(), default=None),
         staleness=_staleness(store, run), server_busy_fraction=_server_busy_fraction(store, run), notes=_notes(run),
     )
+    _add_utilization(summary, store, run)
+    return summary
+
+
+def _add_utilization(summary: Summary, store: Store, run: Run) -> None:
+    """MFU and HFU from the ranks' `flops` events; nothing when the run recorded none (older runs)."""
+    per_rank: dict[int, dict[str, str]] = {}
+    for event in store.events(run.id):
+        if event["kind"] == "flops":
+            per_rank[event["rank"]] = dict(part.split("=", 1) for part in event["message"].split() if "=" in part)
+    step_s = summary.effective_step_s
+    if not per_rank or not step_s:
+        return
+    model, hardware, peak, mfu, hfu = [], [], [], {}, []
+    for rank, fields in sorted(per_rank.items()):
+        f_model, f_hw = float(fields["model_flops_per_step"]), float(fields["hardware_flops_per_step"])
+        f_peak = float(fields["peak_flops_per_s"])
+        model.append(f_model)
+        hardware.append(f_hw)
+        peak.append(f_peak)
+        mfu[rank] = f_model / step_s / f_peak
+        hfu.append(f_hw / step_s / f_peak)
+    summary.model_flops_per_step = statistics.fmean(model)
+    summary.hardware_flops_per_step = statistics.fmean(hardware)
+    summary.achieved_flops_per_s = summary.model_flops_per_step / step_s
+    summary.peak_flops_per_s = statistics.fmean(peak)
+    summary.mfu_by_rank = mfu
+    summary.mfu = statistics.fmean(mfu.values())
+    summary.hfu = statistics.fmean(hfu)
+    source = next(iter(per_rank.values())).get("peak_source", "").replace("_", " ")
+    summary.flops_basis = (f"per rank: {summary.model_flops_per_step:.4g} model FLOPs per step over "
+                           f"{summary.timing_basis} step time; peak {source}")
 
 
 def find_single_baseline(store: Store, run: Run) -> Run | None:

@@ -21,7 +21,7 @@ from ddlscope.workloads import WORKLOADS
 
 DEFAULT_WORKLOAD = "mlp-digits"
 DEFAULT_STRATEGY = "ddp"
-TOP_LEVEL = ("name", "seed", "save_model_path", "checkpoint_dir")
+TOP_LEVEL = ("name", "seed", "save_model_path", "checkpoint_dir", "trace_steps")
 SECTIONS = (*TOP_LEVEL, "workload", "strategy", "cluster")
 
 

@@ -14,6 +14,7 @@ import random
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ from ddlscope.runtime.data import GlobalBatchSampler
 from ddlscope.runtime.instrument import (
     ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter
+from ddlscope.runtime.trace import StepTracer
 from ddlscope.specs import WorkloadSpec
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.workloads.base import Task
@@ -46,7 +48,7 @@ def make_optimizer(model: nn.Module, spec: WorkloadSpec) -> torch.optim.Optimize
 
 
 def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
-          on_step: Callable[[int], None] | None = None) -> LoopResult:
+          on_step: Callable[[int], None] | None = None, traces_dir: Path | None = None) -> LoopResult:
     exp = ctx.experiment
     spec = exp.workload
     device = ctx.device
@@ -64,6 +66,8 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     evaluator = _Evaluator(task, model, strategy, ctx, writer)
     backward_compute_s = 0.0
     loss_value = float("nan")
+    tracer = StepTracer(exp.trace_steps, spec.steps, traces_dir, ctx.rank, device, writer)
+    phase = tracer.phase  # a shared no-op context unless this step is traced
 
     writer.event("train_start", f"per_rank_batch={per_rank}")
     device_sync(device)
@@ -73,36 +77,44 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         if step in crash_steps:
             _crash(writer, step)
         measuring = step == memory_step
+        tracer.before_step(step)
         t0 = clock()
-        x, y = (t.to(device, non_blocking=True) for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
-        device_sync(device)
+        with phase("data"):
+            x, y = (t.to(device, non_blocking=True)
+                    for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
+            device_sync(device)
         t1 = clock()
         cpu0 = time.thread_time()
         with meter.measure() if measuring else nullcontext():
-            loss = task.loss_fn(model(x), y)
-            device_sync(device)
+            with phase("forward"):
+                loss = task.loss_fn(model(x), y)
+                device_sync(device)
             t2 = clock()
             stretch = slowdown * (1 + exp.cluster.jitter * jitter.random()) if jitter else slowdown
             if stretch > 1:
                 # A straggler computes slower: stretch its forward and (estimated) backward time.
                 time.sleep((stretch - 1) * ((t2 - t1) + (backward_compute_s or 2 * (t2 - t1))))
                 t2 = clock()
-            loss.backward()
-            device_sync(device)
+            with phase("backward"):
+                loss.backward()
+                device_sync(device)
         t3 = clock()
         cpu1 = time.thread_time()
         if measuring:
             memory["activations"] = meter.bytes
             memory["gradients"] = gradient_bytes(model)
-        strategy.synchronize(model)
-        device_sync(device)
+        with phase("synchronize"):
+            strategy.synchronize(model)
+            device_sync(device)
         t4 = clock()
-        if strategy.local_optimizer:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()
-        device_sync(device)
+        with phase("optimizer"):
+            if strategy.local_optimizer:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = loss.item()
+            device_sync(device)
         t5 = clock()
+        tracer.after_step(step)
         if measuring:
             memory["optimizer"] = optimizer_state_bytes(optimizer)
 
@@ -121,6 +133,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
             eval_s += evaluator.at(step, clock() - start - eval_s)
 
     train_s = clock() - start - eval_s
+    tracer.finish()
     strategy.finish(model)
     evaluator.evaluate_snapshots()
     memory.update(peak_process_bytes(device))

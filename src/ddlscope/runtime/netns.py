@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddlscope.specs import ConfigError
+from ddlscope.store import pid_alive
 
 PREFIX = "ddl-"
 SUBNET = "10.213.0"  # /24, only ever configured inside the run's own namespaces
@@ -163,7 +164,7 @@ def remove_stale_namespaces(everything: bool = False) -> list[str]:
     removed = []
     for name in list_namespaces():
         match = _OURS.match(name)
-        if match and (everything or not _alive(int(match.group(1)))):
+        if match and (everything or not pid_alive(int(match.group(1)))):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
             removed.append(name)
     return removed
@@ -201,16 +202,6 @@ def enter_namespace(name: str) -> None:
             raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _run(*cmd: str) -> str:

@@ -13,15 +13,18 @@ import torch
 import torch.distributed as dist
 
 from ddlscope.runtime.config import experiment_from_json
+from ddlscope.runtime.flops import count_step_flops, flops_message, peak_flops
 from ddlscope.runtime.loop import LoopResult, train
 from ddlscope.runtime.netns import join_rank_namespace
 from ddlscope.runtime.ps_server import serve
 from ddlscope.runtime.rows import RowWriter, rank_file, read_records, remote_rank_file
+from ddlscope.runtime.trace import traces_dir_for
 from ddlscope.specs import ClusterSpec, Experiment
 from ddlscope.strategies import STRATEGIES
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.strategies.comm import LinkModel
 from ddlscope.workloads import WORKLOADS
+from ddlscope.workloads.base import Task
 
 
 def choose_device(cluster: ClusterSpec, local_rank: int) -> torch.device:
@@ -70,7 +73,9 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
             serve(task, strategy, ctx, writer)  # type: ignore[arg-type]
             outcome: dict[str, Any] = {"rank": rank, "role": "server"}
         else:
-            result = train(task, strategy, ctx, writer)
+            _record_flops(task, exp, ctx, writer)  # on the plain model, before the strategy wraps it
+            traces = traces_dir_for(Path(run_dir)) if exp.trace_steps else None
+            result = train(task, strategy, ctx, writer, traces_dir=traces)
             _save_outputs(exp, strategy, result, rank, writer)
             outcome = {"rank": rank, "role": "worker", "train_s": result.train_s, "final_loss": result.final_loss}
         writer.close()
@@ -86,6 +91,21 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
         writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _record_flops(task: Task, exp: Experiment, ctx: RunContext, writer: RowWriter) -> None:
+    """Model FLOPs of one of this rank's steps, and the peak FLOP/s MFU divides them by (event `flops`).
+
+    Every strategy here is data parallel: each worker computes the whole model
+    on its per-rank batch (FSDP shards state, not compute), so one
+    forward + backward of that batch is the rank's work per step.
+    """
+    per_rank = exp.per_rank_batch()
+    ids = torch.arange(per_rank) % max(len(task.train), 1)
+    x, y = task.train.get(ids)
+    step = count_step_flops(task.model, task.loss_fn, x, y)
+    peak, source = peak_flops(ctx.device, exp.cluster.threads_per_rank)
+    writer.event("flops", flops_message(step, peak, source))
 
 
 def _save_outputs(exp: Experiment, strategy: Strategy, result: LoopResult, rank: int, writer: RowWriter) -> None:
