@@ -102,16 +102,6 @@ def fit_matmul(sizes: list[int], seconds: list[float]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- compute (this process)
-def _best_time(fn: Any, repeats: int, min_s: float = 0.0) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _median_time(fn: Any, repeats: int, inner: int = 1) -> float:
     fn()
     samples = []
@@ -292,7 +282,8 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
     repeats = 3 if quick else 5
     profile: dict[str, Any] = {
         "meta": {"created_at": time.time(), "host": os.uname().nodename, "cores": os.cpu_count() or 1,
-                 "torch": torch.__version__, "quick": quick, "backend": "gloo"},
+                 "torch": torch.__version__, "quick": quick, "backend": "gloo",
+                 "load_average_1min": os.getloadavg()[0]},  # other work on the machine skews every figure
         "compute": measure_compute(quick),
         "collectives": {},
     }

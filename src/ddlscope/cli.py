@@ -29,12 +29,14 @@ console = Console()
 def _register_plugins() -> None:
     """Commands that live beside their layer (report, predict) add themselves to the app."""
     from ddlscope.cli_advise import register as register_advise
+    from ddlscope.cli_calibrate import register as register_calibrate
     from ddlscope.cli_predict import register as register_predict
     from ddlscope.report.cli import register as register_report
 
     register_report(app)
     register_predict(app)
     register_advise(app)
+    register_calibrate(app)
 
 err_console = Console(stderr=True)
 
@@ -71,6 +73,8 @@ def run(
     db: DbOption = DEFAULT_DB,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    trace: Annotated[bool, typer.Option("--trace", help="Profile steps 1-3 on every rank (torch.profiler); "
+                                        "merge with `ddlscope trace RUN`. --set trace_steps=N for N steps.")] = False,
 ) -> None:
     """Run one experiment: start the ranks, train, record every rank and step, print a summary."""
     from ddlscope.runtime.config import load_experiment, parse_override
@@ -90,6 +94,8 @@ def run(
         if world_size is not None and world_size != total:
             raise UserError(f"--world-size = {world_size} disagrees with --nnodes x --procs-per-node = {total}")
         overrides["cluster.world_size"] = total
+    if trace:
+        overrides["trace_steps"] = 3  # an explicit --set trace_steps=N below wins
     for item in set_ or []:
         key, value = parse_override(item)
         overrides[key] = value
@@ -213,6 +219,37 @@ def export(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, u
         err_console.print(f"wrote {output}")
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+@app.command()
+def trace(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
+          output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Merged trace (default: trace-RUNID.json).")] = None,
+          db: DbOption = DEFAULT_DB) -> None:
+    """Merge a traced run's per-rank profiler traces into one chrome-trace / Perfetto JSON (one track per rank)."""
+    from ddlscope.analysis.trace_merge import RankTrace, TraceMergeError, merge_traces
+
+    with _open_store(db) as store:
+        run_ = store.get_run(run_ref)
+        traces = {e["rank"]: Path(e["message"].partition("path=")[2]) for e in store.events(run_.id)
+                  if e["kind"] == "trace" and "path=" in e["message"]}
+    if not traces:
+        raise StoreError(f"run {run_.id} has no traces (run it with --trace or --set trace_steps=N)")
+    present = [RankTrace(rank, path) for rank, path in sorted(traces.items()) if path.is_file()]
+    missing = sorted(set(traces) - {t.rank for t in present})
+    if not present:
+        raise StoreError(f"run {run_.id}: trace files are gone (first: {traces[min(traces)]})")
+    target = output or Path(f"trace-{run_.id}.json")
+    try:
+        result = merge_traces(present, target)
+    except TraceMergeError as exc:
+        raise StoreError(f"run {run_.id}: {exc}") from None
+    offsets = ", ".join(f"rank {r} +{v / 1e3:.1f} ms" for r, v in sorted(result.offsets_us.items()))
+    console.print(f"wrote {target}: {result.events} events from ranks {', '.join(map(str, result.ranks))} "
+                  f"(clock offsets: {offsets}); open it in https://ui.perfetto.dev or chrome://tracing",
+                  markup=False, highlight=False, soft_wrap=True)
+    if missing:
+        err_console.print(f"note: no trace file here for ranks {', '.join(map(str, missing))} "
+                          "(ranks on other nodes keep theirs on their node)", markup=False, highlight=False)
 
 
 # ---------------------------------------------------------------------------- study

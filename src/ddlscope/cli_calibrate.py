@@ -82,6 +82,10 @@ def register(app: typer.Typer) -> None:
             return
         console.print(compute_table(profile))
         console.print(calibration_table(profile))
+        load, cores = profile["meta"]["load_average_1min"], profile["meta"]["cores"]
+        if load > cores / 2:
+            console.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cores} cores during calibration: "
+                          "other processes were running; figures may be pessimistic and noisy")
         console.print(f"profile: {path.resolve()}")
 
     @app.command("predict-run")

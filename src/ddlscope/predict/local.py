@@ -82,8 +82,8 @@ def message_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: i
 def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
     """Calibrated fp32 FLOP/s of a matmul of effective square size `size` (log-linear between sizes)."""
     sizes, rates = compute["matmul"]["sizes"], compute["matmul"]["flops"]
-    if size <= sizes[0]:
-        return float(rates[0]) * max(size / sizes[0], 0.05) ** 1.0 if size < sizes[0] else float(rates[0])
+    if size <= sizes[0]:  # below the smallest size measured: per-call overhead dominates, rate ~ size
+        return float(rates[0]) * max(size / sizes[0], 0.05)
     if size >= sizes[-1]:
         return float(rates[-1])
     for (s0, r0), (s1, r1) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):

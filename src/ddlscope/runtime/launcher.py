@@ -78,6 +78,7 @@ def environment() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "platform": sys.platform,
+        "load_average_1m": os.getloadavg()[0],  # other work on the machine skews every timing
     }
 
 
@@ -132,7 +133,9 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         min_nodes=cluster.nnodes,
         max_nodes=cluster.nnodes,
         nproc_per_node=cluster.procs_per_node + exp.strategy.extra_ranks(),
-        run_id=RDZV_ID,
+        # Launchers of one multi-node run share the id; a local run gets its own, so two
+        # runs on one machine can never join each other's rendezvous.
+        run_id=RDZV_ID if cluster.rdzv_endpoint else f"{RDZV_ID}-{run_uuid[:12]}",
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         # Node 0 hosts the rendezvous store; on one machine every launcher would otherwise try to.

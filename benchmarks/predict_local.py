@@ -1,0 +1,111 @@
+"""How well the local predictor (ddlscope predict-run) predicts real local runs.
+
+Runs 12 short configurations (ddp, fsdp, ps-sync, ps-async; world sizes 2
+and 4; the real loopback network and an emulated custom link) through
+launch(), predicts each from its stored config with this machine's
+calibration, and prints predicted vs measured mean step time and rank 0's
+model-state bytes, with the mean absolute percentage error of each
+(targets: <= 10% step time, <= 5% memory).
+
+    .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--json OUT]
+
+Without --calibration it runs `calibrate --quick` for world sizes 2 and 4 first.
+About 3-5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+WORKLOAD = {"workload.name": "mlp-digits", "workload.hidden": 512, "workload.layers": 3,
+            "workload.batch_size": 256}
+CUSTOM = {"cluster.network.profile": "custom", "cluster.network.alpha_us": 100.0,
+          "cluster.network.bandwidth_gbps": 0.5}
+CONFIGS: list[tuple[str, int, dict]] = [
+    ("ddp", 2, {}), ("ddp", 4, {}), ("fsdp", 2, {}), ("fsdp", 4, {}), ("ps-sync", 2, {}), ("ps-async", 2, {}),
+    ("ddp", 2, CUSTOM), ("ddp", 4, CUSTOM), ("fsdp", 2, CUSTOM), ("ps-sync", 2, CUSTOM),
+    ("ps-async", 2, CUSTOM), ("ps-sync", 4, CUSTOM),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", type=Path, default=None)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--json", type=Path, default=None, help="write every row here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    from ddlscope.analysis.summary import summarize
+    from ddlscope.calibrate import calibrate, load_profile, workload_facts, write_profile
+    from ddlscope.predict.local import compare, measured_from_summary, predict_local
+    from ddlscope.runtime.config import load_experiment
+    from ddlscope.runtime.launcher import launch
+    from ddlscope.store import Store
+
+    console = Console()
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ddlscope-predict-local-") as tmp:
+        if args.calibration:
+            profile = load_profile(args.calibration)
+        else:
+            profile = calibrate([2, 4], quick=True)
+            write_profile(profile, Path(tmp) / "calibration.toml")
+        db = Path(tmp) / "bench.db"
+        rows = []
+        facts_cache: dict[str, dict] = {}
+        for strategy, world, network in CONFIGS:
+            overrides = {**WORKLOAD, "strategy.name": strategy, "cluster.world_size": world,
+                         "workload.steps": args.steps, **network}
+            exp = load_experiment(None, overrides)
+            result = launch(exp, db)
+            label = f"{strategy} x{world} {'custom' if network else 'local'}"
+            if result.status != "finished":  # e.g. another launch on this machine took the same free port
+                console.print(f"{label}: {result.status} ({result.error}); retrying once")
+                result = launch(exp, db)
+            if result.status != "finished":
+                console.print(f"{label}: {result.status} {result.error}")
+                continue
+            with Store(db) as store:
+                run = store.get_run(result.run_id)
+                summary = summarize(store, run).to_dict()
+            key = json.dumps([run.config["workload"], exp.per_rank_batch()], sort_keys=True)
+            if key not in facts_cache:
+                facts_cache[key] = workload_facts(run.config)
+            predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
+            measured = measured_from_summary(summary)
+            rows.append({"config": label, "predicted": predicted, "measured": measured,
+                         "error": compare(predicted, measured)})
+            console.print(f"{label}: step {predicted['step_s'] * 1e3:.2f} ms predicted, "
+                          f"{measured['step_s'] * 1e3:.2f} ms measured")
+
+    table = Table("config", "step pred ms", "step meas ms", "err", "states pred B", "states meas B", "err",
+                  title="local predictor vs measured")
+    for r in rows:
+        p, m, e = r["predicted"], r["measured"], r["error"]
+        table.add_row(r["config"], f"{p['step_s'] * 1e3:.2f}", f"{m['step_s'] * 1e3:.2f}",
+                      f"{e['step_s_error'] * 100:+.1f}%", str(p["model_state_bytes"]), str(m["model_state_bytes"]),
+                      f"{e['model_state_error'] * 100:+.1f}%")
+    console.print(table)
+    step_mape = statistics.fmean(abs(r["error"]["step_s_error"]) for r in rows) * 100 if rows else float("nan")
+    mem_mape = statistics.fmean(abs(r["error"]["model_state_error"]) for r in rows) * 100 if rows else float("nan")
+    console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%)   model-state memory MAPE {mem_mape:.1f}% "
+                  f"(target <= 5%)   {len(rows)}/{len(CONFIGS)} configs in {time.perf_counter() - began:.0f}s")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "step_mape_pct": step_mape, "memory_mape_pct": mem_mape},
+                                        default=str))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

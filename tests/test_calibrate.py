@@ -1,0 +1,104 @@
+"""ddlscope calibrate: the alpha-beta fit, the profile file, the command."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SRC
+
+from ddlscope.calibrate import fit_alpha_beta, fit_matmul, load_profile, message_sizes, to_toml, write_profile
+from ddlscope.specs import ConfigError
+
+
+def test_fit_recovers_alpha_beta_from_clean_data():
+    sizes = np.array(message_sizes(quick=False), dtype=float)
+    alpha, beta = 150e-6, 800e6
+    fit = fit_alpha_beta(sizes, alpha + sizes / beta)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert fit["beta_bytes_per_s"] == pytest.approx(beta, rel=1e-6)
+    assert fit["r2"] == pytest.approx(1.0) and fit["r2_all"] == pytest.approx(1.0)
+
+
+def test_fit_is_robust_to_small_size_noise():
+    """Noisy small messages must not drag beta; alpha comes from the small sizes' median."""
+    rng = np.random.default_rng(0)
+    sizes = np.array(message_sizes(quick=False), dtype=float)
+    alpha, beta = 300e-6, 500e6
+    times = (alpha + sizes / beta) * (1 + 0.03 * rng.standard_normal(len(sizes)))
+    times[sizes <= 16 * 1024] += rng.uniform(0, 60e-6, int((sizes <= 16 * 1024).sum()))  # scheduler wake-ups
+    fit = fit_alpha_beta(sizes, times)
+    assert fit["beta_bytes_per_s"] == pytest.approx(beta, rel=0.1)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=0.25)
+    assert fit["r2"] >= 0.95
+
+
+def test_fit_falls_back_to_plain_least_squares_with_few_sizes():
+    sizes = np.array([1e3, 2e3, 4e3])
+    fit = fit_alpha_beta(sizes, 1e-4 + sizes / 1e9)
+    assert fit["alpha_s"] == pytest.approx(1e-4, rel=1e-6)
+    assert fit["beta_bytes_per_s"] == pytest.approx(1e9, rel=1e-6)
+
+
+def test_matmul_fit_recovers_overhead_and_peak():
+    sizes = [64, 128, 256, 512]
+    fit = fit_matmul(sizes, [5e-6 + 2 * n**3 / 1e11 for n in sizes])
+    assert fit["peak_flops"] == pytest.approx(1e11, rel=1e-6)
+    assert fit["overhead_s"] == pytest.approx(5e-6, rel=1e-4)
+
+
+def test_profile_round_trips_through_toml(tmp_path: Path):
+    profile = {"meta": {"quick": True, "host": "h"}, "compute": {"peak_flops": 1.5e11, "matmul": {"sizes": [64]}},
+               "collectives": {"ws2": {"all_reduce": {"alpha_s": 1e-4, "beta_bytes_per_s": 8e8, "r2": 0.99}}}}
+    path = tmp_path / "p.toml"
+    write_profile(profile, path)
+    assert tomllib.loads(path.read_text()) == profile
+    assert load_profile(path) == profile
+    assert "[collectives.ws2.all_reduce]" in to_toml(profile)
+
+
+def test_load_profile_errors_are_one_line(tmp_path: Path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_profile(bad)
+
+
+def _cli(tmp_path: Path, *args: str, timeout_s: float = 170):
+    import os
+    import subprocess
+
+    code = ("import sys; from ddlscope.cli import app, main; from ddlscope.cli_calibrate import register; "
+            "names = {c.name or c.callback.__name__ for c in app.registered_commands}; "
+            "'calibrate' in names or register(app); sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_bad_world_sizes_are_a_one_line_error(tmp_path: Path):
+    proc = _cli(tmp_path, "calibrate", "--world-sizes", "1,x")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --world-sizes")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_calibrate_quick_writes_a_profile(tmp_path: Path):
+    proc = _cli(tmp_path, "calibrate", "--world-sizes", "2", "--quick", "-o", "prof.toml")
+    assert proc.returncode == 0, proc.stderr
+    assert "all_reduce" in proc.stdout and "R^2" in proc.stdout
+    profile = tomllib.loads((tmp_path / "prof.toml").read_text())
+    assert profile["compute"]["peak_flops"] > 1e8
+    assert profile["compute"]["memory_bandwidth_bytes_per_s"] > 1e8
+    entry = profile["collectives"]["ws2"]
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
+        assert {"alpha_s", "beta_bytes_per_s", "r2", "r2_all", "sizes", "seconds"} <= set(entry[op])
+        assert entry[op]["beta_bytes_per_s"] > 0 and entry[op]["alpha_s"] >= 0
+        assert entry[op]["r2"] > 0.5  # the >= 0.95 figure is for the full calibration; quick has 3 repeats
