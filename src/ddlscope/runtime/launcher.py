@@ -195,13 +195,17 @@ def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
 
 
 def _first_failure(exc: ChildFailedError) -> str:
+    """One line for the root-cause failure: the worker's exception, or how the process died."""
     rank, failure = exc.get_first_failure()
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", str(message))
     lines = [line for line in str(message).strip().splitlines() if line.strip()]
-    text = lines[-1] if lines else f"exit code {failure.exitcode}"
-    return f"rank {rank}: {text}"
+    if lines and failure.error_file and Path(failure.error_file).exists():
+        return f"rank {rank}: {lines[-1]}"
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"rank {rank}: killed by {failure.signal_name()} (no Python error: out of memory or killed from outside?)"
+    return f"rank {rank}: exited with code {failure.exitcode}" + (f": {lines[-1]}" if lines else "")
 
 
 def _quiet_torch_logging() -> None:
