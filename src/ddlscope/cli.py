@@ -423,6 +423,9 @@ def _print_summary(s: Any) -> None:
                      + (f"; {s.cpu_derived_step_s * 1e3:.2f} ms with compute from thread CPU time"
                         if s.oversubscribed and s.cpu_derived_step_s else ""))
         head.add_row("throughput", f"{s.throughput_samples_per_s:.1f} samples/s")
+    if getattr(s, "mfu", None) is not None:
+        head.add_row("MFU", f"{s.mfu:.2%} of this rank's measured peak ({s.achieved_flops_per_s / 1e9:.3g} GFLOP/s "
+                     f"of model FLOPs per rank; HFU {s.hfu:.2%}, no recompute)")
     if s.speedup_vs_single is not None:
         head.add_row("speedup vs single", f"{s.speedup_vs_single:.2f}x (run {s.baseline_run_id}); "
                      f"scaling efficiency {s.scaling_efficiency:.0%}")
@@ -432,6 +435,8 @@ def _print_summary(s: Any) -> None:
         head.add_row("communication", f"{_fmt_bytes(s.comm['bytes_sent_per_step'])}/step/rank, "
                      f"{s.comm['comm_s'] * 1e3:.2f} ms in flight, {s.comm['exposed_s'] * 1e3:.2f} ms exposed, "
                      f"overlap {s.comm['overlap_fraction']:.0%}")
+    if len(s.straggler_steps) > 0 and sum(s.straggler_steps.values()) > 0:
+        head.add_row("slowest rank", ", ".join(f"rank {r}: {n} steps" for r, n in s.straggler_steps.items()))
     if s.staleness:
         head.add_row("staleness", f"mean {s.staleness['mean']:.2f}, max {s.staleness['max']:.0f} "
                      f"over {s.staleness['updates']:.0f} server updates")

@@ -47,6 +47,7 @@ class Summary:
     cpu_derived_wall_s: float | None  # the slowest rank's total of those per-step times
     staleness: dict[str, float] = field(default_factory=dict)  # parameter servers: mean, max, updates
     server_busy_fraction: float | None = None  # parameter servers: apply CPU time / server wall time
+    straggler_steps: dict[int, int] = field(default_factory=dict)  # rank -> steps it was the slowest to compute
     notes: list[str] = field(default_factory=list)
     model_flops_per_step: float | None = None  # per rank: forward + backward of its per-rank batch
     hardware_flops_per_step: float | None = None  # per rank: model FLOPs + recomputation (none here)
@@ -74,6 +75,7 @@ class Summary:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["memory_bytes_by_rank"] = {str(k): v for k, v in self.memory_bytes_by_rank.items()}
+        d["straggler_steps"] = {str(k): v for k, v in self.straggler_steps.items()}
         d["mfu_by_rank"] = {str(k): v for k, v in self.mfu_by_rank.items()}
         return d
 
@@ -131,7 +133,8 @@ def summarize(store: Store, run: Run) -> Summary:
         train_wall_s=max((r["t_s"] + r["step_s"] for r in rows), default=None),
         oversubscribed=oversubscribed, cpu_derived_step_s=cpu_step,
         cpu_derived_wall_s=max(per_rank_total.values(), default=None),
-        staleness=_staleness(store, run), server_busy_fraction=_server_busy_fraction(store, run), notes=_notes(run),
+        staleness=_staleness(store, run), server_busy_fraction=_server_busy_fraction(store, run),
+        straggler_steps=_straggler_steps(by_step), notes=_notes(run),
     )
     _add_utilization(summary, store, run)
     return summary
@@ -175,6 +178,16 @@ def find_single_baseline(store: Store, run: Run) -> Run | None:
         if candidate.config.get("workload") == run.config.get("workload"):
             return candidate
     return None
+
+
+def _straggler_steps(by_step: dict[int, list[Any]]) -> dict[int, int]:
+    """How often each rank was the one the others waited for: the most time outside communication."""
+    counts: dict[int, int] = {}
+    for rows in by_step.values():
+        if len(rows) > 1:
+            slowest = max(rows, key=lambda r: r["step_s"] - r["comm_wait_s"])["rank"]
+            counts[slowest] = counts.get(slowest, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _oversubscribed(run: Run) -> bool:
