@@ -81,3 +81,23 @@ def test_config_round_trips_as_json(tmp_path):
     with Store(tmp_path / "s.db") as store:
         run_id = _new_run(store)
         assert json.loads(json.dumps(store.get_run(run_id).config)) == {"workload": {"name": "mlp-digits"}}
+
+
+def test_scaling_table_grows_phases_relative_to_the_smallest_world(tmp_path):
+    from ddlscope.analysis.scaling import latest_per_world_size, scaling_table
+
+    with Store(tmp_path / "s.db") as store:
+        for n, world in enumerate((2, 4)):
+            run_id = store.create_run(uuid=f"{n:032x}", name="", workload="mlp-digits", strategy="ddp",
+                                      world_size=world, config={"workload": {"name": "mlp-digits"}},
+                                      code_version="test", seed=0, environment={"cores": 8})
+            comm = 0.01 * world
+            store.ingest(run_id, [{"kind": "step", "rank": r, "step": s, "t_s": 0.0, "data_s": 0.001,
+                                   "forward_s": 0.002, "backward_s": 0.002, "comm_wait_s": comm, "optimizer_s": 0.001,
+                                   "step_s": 0.006 + comm, "comm_s": comm, "compute_cpu_s": 0.004, "samples": 16,
+                                   "loss": 1.0, "bytes_sent": 10} for r in range(world) for s in range(3)])
+            store.mark_done(run_id, "finished")
+        rows = scaling_table(store, latest_per_world_size(store, "mlp-digits", "ddp"))
+    assert [r.world_size for r in rows] == [2, 4]
+    assert rows[1].breakdown_growth["comm_wait_s"] == pytest.approx(2.0)
+    assert rows[1].breakdown_growth["forward_s"] == pytest.approx(1.0)

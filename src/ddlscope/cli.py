@@ -336,6 +336,39 @@ def _print_findings(name: str, results: list[Any], findings: Any) -> None:
         console.print(f"[yellow]note:[/yellow] {note}")
 
 
+@app.command()
+def scaling(
+    runs_: Annotated[Optional[list[str]], typer.Argument(metavar="[RUN]...", help="Runs to compare (default: see --workload).")] = None,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="With --strategy: the newest finished run per world size.")] = None,
+    strategy: Annotated[Optional[str], typer.Option("--strategy", "-s", help="Strategy of those runs.")] = None,
+    db: DbOption = DEFAULT_DB,
+) -> None:
+    """Scaling table: throughput, speedup, efficiency and each phase's growth over world sizes."""
+    from ddlscope.analysis.scaling import latest_per_world_size, scaling_table
+    from ddlscope.analysis.summary import PHASES
+
+    with _open_store(db) as store:
+        if runs_:
+            chosen = [store.get_run(ref) for ref in runs_]
+        elif workload and strategy:
+            chosen = latest_per_world_size(store, workload, strategy)
+        else:
+            raise UserError("give RUN ids, or --workload and --strategy")
+        if not chosen:
+            raise UserError(f"no finished {strategy} runs of {workload} in {db}")
+        rows = scaling_table(store, chosen)
+    table = Table("ranks", "run", "samples/s", "speedup", "efficiency",
+                  *(f"{p.removesuffix('_s')} ms (x)" for p in PHASES), title="scaling")
+    for r in rows:
+        table.add_row(str(r.world_size), str(r.run_id), f"{r.throughput_samples_per_s or 0:.1f}",
+                      f"{r.speedup_vs_single:.2f}x" if r.speedup_vs_single else "-",
+                      f"{r.scaling_efficiency:.0%}" if r.scaling_efficiency else "-",
+                      *(f"{r.breakdown_mean_s.get(p, 0) * 1e3:.2f} ({r.breakdown_growth[p]:.2f})"
+                        if r.breakdown_growth[p] is not None else f"{r.breakdown_mean_s.get(p, 0) * 1e3:.2f}"
+                        for p in PHASES))
+    console.print(table)
+
+
 # ---------------------------------------------------------------------------- catalogues
 @app.command()
 def strategies() -> None:
