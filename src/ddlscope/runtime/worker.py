@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,18 @@ def choose_backend(cluster: ClusterSpec, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _die_with_launcher() -> None:
+    """A worker must not outlive its launcher (killed, or timed out by a test): ask Linux to kill it too."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+PR_SET_PDEATHSIG = 1
+
+
 def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping_json: str = "") -> dict[str, Any]:
+    _die_with_launcher()
     exp = experiment_from_json(experiment_json)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, node_rank = int(os.environ["LOCAL_RANK"]), int(os.environ.get("GROUP_RANK", "0"))
@@ -81,7 +95,7 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
         writer.close()
         if exp.cluster.nnodes > 1:
             _send_rows_to_rank0(Path(run_dir), rank, node_rank)
-        dist.barrier()
+        _finish_together(world)
         return outcome
     except BaseException as exc:
         if not writer.closed:
@@ -116,6 +130,23 @@ def _save_outputs(exp: Experiment, strategy: Strategy, result: LoopResult, rank:
     if exp.checkpoint_dir:
         strategy.save_checkpoint(result.model, result.optimizer, exp.checkpoint_dir)
         writer.event("checkpoint", exp.checkpoint_dir)
+
+
+def _finish_together(world: int, timeout_s: float = 600.0) -> None:
+    """Wait until every rank is done, through the rendezvous store rather than a gloo barrier.
+
+    A gloo barrier right before exit races with process teardown: its work object
+    is destroyed on gloo's thread, which needs the GIL, while the main thread,
+    holding the GIL, frees the DDP reducer and joins that thread (seen here as a
+    rare hang at exit). The store has no such thread.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.add("ddlscope/finished", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("ddlscope/finished", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank finished within {timeout_s:.0f} s")
+        time.sleep(0.01)
 
 
 def _check_same_experiment(exp: Experiment) -> None:
