@@ -96,13 +96,18 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
         """Predict a stored local run from its config and this machine's calibration; compare with what it measured."""
-        result = predict_stored_run(run_ref, db, calibration)
-        if as_json:
-            print(json.dumps(result, default=str))
-            return
-        console.print(prediction_table(result))
-        for note in result["predicted"]["notes"]:
-            console.print(f"[yellow]note:[/yellow] {note}")
+        print_run_prediction(run_ref, db, calibration, as_json)
+
+
+def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_json: bool) -> None:
+    """`predict-run RUN` and `predict --against RUN`: predicted next to measured."""
+    result = predict_stored_run(run_ref, db, calibration)
+    if as_json:
+        print(json.dumps(result, default=str))
+        return
+    console.print(prediction_table(result))
+    for note in result["predicted"]["notes"]:
+        console.print(f"[yellow]note:[/yellow] {note}")
 
 
 def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict[str, Any]:

@@ -110,8 +110,18 @@ def predict_command(
     gated_mlp: GatedOpt = None,
     spot: SpotOpt = None,
     as_json: JsonOpt = False,
+    against: Annotated[Optional[str], typer.Option(
+        "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.")] = None,
+    calibration: Annotated[Optional[Path], typer.Option(
+        "--calibration", help="With --against: profile from `ddlscope calibrate`.")] = None,
+    db: Annotated[Path, typer.Option("--db", help="With --against: the store.")] = Path("ddlscope.db"),
 ) -> None:
     """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""
+    if against is not None:
+        from ddlscope.cli_calibrate import print_run_prediction
+
+        print_run_prediction(against, db, calibration, as_json)
+        return
     from ddlscope.predict import parse_cluster, predict
 
     raw = _read_config(config)
