@@ -48,8 +48,7 @@ class _Server:
         self.version = 0
         self.last_step = {w: -1 for w in self.workers}
         self.waiting: list[tuple[int, int]] = []  # (worker, step) pushed but not yet answered
-        self.round_sum: torch.Tensor | None = None
-        self.round_members: list[int] = []
+        self.round_grads: dict[int, torch.Tensor] = {}  # this synchronous round's pushes, by worker
         self.seq = 0
         self.start = clock()
         self.busy_cpu_s = 0.0
@@ -79,11 +78,12 @@ class _Server:
         began, cpu_began = clock(), time.thread_time()
         staleness = self.version - version_seen
         if self.spec.averages_rounds:
-            self.round_sum = grad.clone() if self.round_sum is None else self.round_sum.add_(grad)
-            self.round_members.append(worker)
-            if len(self.round_members) == len(self.workers):
-                self._step_optimizer(self.round_sum / len(self.workers))
-                self.round_sum, self.round_members = None, []
+            self.round_grads[worker] = grad.clone()
+            if len(self.round_grads) == len(self.workers):
+                # Summed in worker order, not arrival order: the same bits whoever arrives first.
+                total = torch.stack([self.round_grads[w] for w in sorted(self.round_grads)]).sum(0)
+                self._step_optimizer(total / len(self.workers))
+                self.round_grads = {}
         else:
             # One push moves the model 1/workers as far as a synchronous step would.
             self._step_optimizer(grad * (self.spec.gradient_scale(staleness) / len(self.workers)))
@@ -101,7 +101,7 @@ class _Server:
 
     def _answer_ready(self) -> None:
         """Answer every waiting worker whose step the protocol's staleness bound now allows."""
-        if self.spec.averages_rounds and self.round_members:
+        if self.spec.averages_rounds and self.round_grads:
             return  # a synchronous round is still open
         slowest = min(self.last_step.values())
         ready = [(w, s) for w, s in self.waiting if slowest >= s - self.spec.staleness_bound(s)]
