@@ -10,9 +10,9 @@ from torch import nn
 
 from conftest import run_cli
 from ddlscope.specs import ConfigError
-from ddlscope.strategies.comm import CommRecorder, LinkModel
+from ddlscope.strategies.comm import CommRecorder, LinkModel, _RecordedWork
 from ddlscope.strategies.fsdp import (
-    FSDPSpec, _block_units, _CollectiveTimer, _TimedAllGather, _TimedReduceScatter, _TimedWork, mixed_precision_policy)
+    FSDPSpec, _block_units, _CollectiveTimer, _TimedAllGather, _TimedReduceScatter, mixed_precision_policy)
 from ddlscope.workloads import WORKLOADS
 
 STEPS = 5
@@ -188,7 +188,7 @@ def test_timed_collectives_record_sync_and_async_ops():
         shard, full = torch.ones(8), torch.zeros(8)
         assert _TimedAllGather(timer)(full, shard, group) is None
         work = _TimedReduceScatter(timer)(torch.zeros(8), full, group, dist.ReduceOp.SUM, async_op=True)
-        assert isinstance(work, _TimedWork) and isinstance(work, dist.Work)
+        assert isinstance(work, _RecordedWork) and isinstance(work, dist.Work)
         began = time.perf_counter()
         work.wait()
         assert time.perf_counter() - began >= 0.015 and work.is_completed()

@@ -127,9 +127,14 @@ class CommRecorder:
         future.add_done_callback(on_done)
         return delayed
 
-    def complete_work(self, work: dist.Work, pending: Pending) -> dist.Work:
-        """A Work whose wait() also waits out the emulated link and records completion."""
-        return _RecordedWork(work, pending, self)
+    def complete_work(self, work: dist.Work, pending: Pending,
+                      on_waited: Callable[[float], None] | None = None) -> dist.Work:
+        """A Work whose wait() also waits out the emulated link and records completion.
+
+        `on_waited(waited_from_s)` runs once, after completion, with the time the
+        caller started waiting (to measure how long it was blocked).
+        """
+        return _RecordedWork(work, pending, self, on_waited)
 
     def pop(self, backward_end_s: float) -> CommStats:
         """Stats since the last pop.
@@ -147,16 +152,20 @@ class CommRecorder:
 
 
 class _RecordedWork(dist.Work):
-    def __init__(self, inner: dist.Work, pending: Pending, recorder: CommRecorder):
+    def __init__(self, inner: dist.Work, pending: Pending, recorder: CommRecorder,
+                 on_waited: Callable[[float], None] | None = None):
         super().__init__()
-        self._inner, self._pending, self._recorder = inner, pending, recorder
+        self._inner, self._pending, self._recorder, self._on_waited = inner, pending, recorder, on_waited
         self._done = False
 
     def wait(self, timeout: Any = None) -> bool:
+        waited_from_s = time.perf_counter()
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         if not self._done:
             self._done = True
             self._recorder.completed(self._pending)
+            if self._on_waited is not None:
+                self._on_waited(waited_from_s)
         return ok
 
     def is_completed(self) -> bool:

@@ -156,46 +156,19 @@ class _CollectiveTimer:
         pending = self.recorder.launched(payload_bytes, kind, group.size())
         work = start(async_op)
         if async_op and work is not None:
-            return _TimedWork(work, self, pending)
-        self.finish(pending, blocked_since_s=pending.launch_s)  # a sync op has completed when it returns
+            return self.recorder.complete_work(work, pending, lambda since_s: self._blocked_since(pending, since_s))
+        # A sync op has completed when it returns; what an emulated link still owes is waited
+        # out in `completed`, with the caller blocked, so emulated delay counts as exposed too.
+        self.recorder.completed(pending)
+        self._blocked_since(pending, pending.launch_s)
         return work
 
-    def finish(self, pending: Pending, blocked_since_s: float) -> None:
-        """The one place where a collective completes, as the training thread sees it.
-
-        `CommRecorder.completed` waits out what an emulated network link still
-        owes (network emulation) and records the interval; the caller stays
-        blocked until then, so emulated delay counts as exposed time too.
-        """
-        self.recorder.completed(pending)
-        self._blocked.append((pending.launch_s, clock() - blocked_since_s))
+    def _blocked_since(self, pending: Pending, since_s: float) -> None:
+        self._blocked.append((pending.launch_s, clock() - since_s))
 
     def pop_blocked(self) -> list[tuple[float, float]]:
         blocked, self._blocked = self._blocked, []
         return blocked
-
-
-class _TimedWork(dist.Work):
-    """An async collective's Work whose wait() records completion and the time blocked in it."""
-
-    def __init__(self, work: dist.Work, timer: _CollectiveTimer, pending: Pending):
-        super().__init__()
-        self._work, self._timer, self._pending = work, timer, pending
-        self._finished = False
-
-    def wait(self, timeout: Any = None) -> bool:
-        waited_from_s = clock()
-        done = self._work.wait() if timeout is None else self._work.wait(timeout)
-        if not self._finished:
-            self._finished = True
-            self._timer.finish(self._pending, blocked_since_s=waited_from_s)
-        return done
-
-    def is_completed(self) -> bool:
-        return self._finished or (self._work.is_completed() and clock() >= self._pending.ready_s)
-
-    def get_future(self) -> torch.futures.Future:
-        return self._timer.recorder.complete_future(self._work.get_future(), self._pending)
 
 
 class _TimedAllGather(DefaultAllGather):
