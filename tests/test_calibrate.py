@@ -102,3 +102,12 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
         assert {"alpha_s", "beta_bytes_per_s", "r2", "r2_all", "sizes", "seconds"} <= set(entry[op])
         assert entry[op]["beta_bytes_per_s"] > 0 and entry[op]["alpha_s"] >= 0
         assert entry[op]["r2"] > 0.5  # the >= 0.95 figure is for the full calibration; quick has 3 repeats
+    for op in ("all_reduce", "p2p"):  # the typical (median) repeat is never faster than the fastest
+        typical, fastest = entry[op]["seconds"], entry[op]["fastest"]["seconds"]
+        assert len(typical) == len(fastest) and all(t >= f for t, f in zip(typical, fastest))
+    sync = profile["sync"]["ws2"]
+    assert len(sync["compute_stretch"]) == len(sync["sync_overhead_s"]) == 2
+    assert all(0.5 < s < 3 for s in sync["compute_stretch"]) and all(o >= 0 for o in sync["sync_overhead_s"])
+    assert sync["block_alone_s"][1] > sync["block_alone_s"][0]  # two different block lengths
+    fsdp = profile["fsdp"]["ws2"]
+    assert fsdp["fixed_s"] > 0 and fsdp["per_byte_s"] >= 0  # fully_shard costs something per unit

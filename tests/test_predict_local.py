@@ -98,3 +98,54 @@ def test_predict_run_on_a_stored_ddp_run(tmp_path: Path):
     missing = subprocess.run([sys.executable, "-c", code, "predict-run", "1", "--calibration", "nope.toml"],
                              cwd=tmp_path, env={"PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and missing.stderr.startswith("error: calibration file")
+
+
+def test_message_time_interpolates_the_calibrated_table_and_ignores_spikes():
+    from ddlscope.predict.local import measured_message_s
+
+    fit = {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9, "sizes": [1e3, 1e4, 1e5, 1e6],
+           "seconds": [1e-4, 5e-3, 2e-4, 1.1e-3]}  # 5 ms at 10 kB: interference, not the link
+    assert measured_message_s(fit, 1e3) == pytest.approx(1e-4)
+    assert measured_message_s(fit, 1e4) == pytest.approx(2e-4)  # the lower envelope
+    between = measured_message_s(fit, 3.16e5)
+    assert 2e-4 < between < 1.1e-3
+    assert measured_message_s(fit, 2e6) == pytest.approx(1.1e-3 + 1e6 / 1e9)  # the fit's slope beyond
+    assert measured_message_s({"alpha_s": 1e-4, "beta_bytes_per_s": 1e9}, 1e6) == pytest.approx(1.1e-3)
+
+
+def test_sync_probe_interpolates_in_compute_time():
+    from ddlscope.predict.local import sync_at
+
+    probe = {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.0, 1.6], "sync_overhead_s": [1e-3, 4e-3]}
+    assert sync_at(probe, 0.001) == pytest.approx((1.0, 1e-3))
+    assert sync_at(probe, 0.005) == pytest.approx((1.3, 2.5e-3))
+    assert sync_at(probe, 0.1) == pytest.approx((1.6, 4e-3))
+    assert sync_at({}, 0.005) == (1.0, 0.0)
+
+
+def test_probes_enter_the_prediction():
+    probed = {**PROFILE,
+              "sync": {"ws2": {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.5, 1.5],
+                               "sync_overhead_s": [2e-3, 2e-3]}},
+              "fsdp": {"ws2": {"fixed_s": 1e-3, "per_byte_s": 1e-9}}}
+    base = predict_local(_config("ddp"), {}, FACTS, PROFILE)
+    ddp = predict_local(_config("ddp"), {}, FACTS, probed)
+    assert ddp["breakdown_s"]["forward_s"] == pytest.approx(1.5 * base["breakdown_s"]["forward_s"])
+    assert ddp["sync_overhead_s"] == pytest.approx(2e-3)
+    fsdp = predict_local(_config("fsdp"), {}, FACTS, probed)
+    units = [u for u in FACTS["fsdp_units"] if u > 0]
+    expected = sum(1e-3 + 1e-9 * u for u in units)
+    assert fsdp["breakdown_s"]["comm_wait_s"] == pytest.approx(expected + 2e-3)
+    # an emulated link slower than the machine sets each unit's floor
+    slow = {"network": {"emulated": True, "alpha_s": 1e-3, "bandwidth_bytes_per_s": 1e6}}
+    assert predict_local(_config("fsdp"), slow, FACTS, probed)["step_s"] > fsdp["step_s"] + 4 * 1e-3
+    # ps-async does not meet every step: no synchronisation overhead
+    assert predict_local(_config("ps-async", servers=1), {}, FACTS, probed)["sync_overhead_s"] == 0.0
+
+
+def test_server_update_passes_follow_the_server_loop():
+    from ddlscope.predict.local import server_apply_passes
+
+    assert server_apply_passes("ps-async", 2, "sgd") == 2 + 3
+    assert server_apply_passes("ps-sync", 2, "sgd-momentum") == 4 + 4 + 3 + 2 + 5
+    assert server_apply_passes("ps-sync", 4, "sgd") > server_apply_passes("ps-sync", 2, "sgd")

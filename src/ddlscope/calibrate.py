@@ -10,7 +10,25 @@ What is measured, each with one intra-op thread per process as training ranks us
 - memory bandwidth: a large tensor copy (read + write bytes / time).
 - collectives on gloo for each world size: all_reduce, all_gather,
   reduce_scatter, broadcast and point-to-point (ping-pong / 2), message sizes
-  ~1 KB .. tens of MB, the fastest of a few repeats per size (interference only adds time).
+  ~1 KB .. tens of MB, a few repeats per size. Two fits per collective: the
+  fastest repeat (`fastest`: what the link itself costs; interference only
+  adds time) and the median repeat (the top-level alpha/beta: what a training
+  step typically sees). On a shared 2-core machine they differ by 2-4x at
+  megabyte sizes: gloo's threads and the other ranks' processes contend for
+  the cores, and a step pays that every time.
+- synchronisation, per world size: every rank runs a fixed block of matmuls
+  alone (the others parked in a barrier) and then all together, each followed
+  by a one-element all_reduce. `compute_stretch` = concurrent / alone compute
+  time (shared caches and memory bandwidth, time slices lost to the other
+  ranks), `sync_overhead_s` = the period of that loop minus the work (taking
+  turns for a core when ranks outnumber cores) minus an empty all_reduce:
+  what a rank waits at each step's synchronisation for the slowest rank and
+  for gloo's threads to wake. On this 2-core machine it is about a
+  millisecond: the same order as a small model's whole step.
+- FSDP's fixed cost per unit and step, per world size: fully_shard on a model
+  of tiny blocks (whose collectives carry almost no bytes) minus the same
+  model without it, per unit: hooks, copy-in/out, and the three collectives'
+  latencies (two all-gathers, a reduce-scatter).
 
 The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
 wake-ups are tens of microseconds, comparable to the whole message), so one
@@ -204,7 +222,8 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = json.loads(sizes_json)
-    results: dict[str, list[float]] = {op: [] for op in COLLECTIVES}
+    results: dict[str, list[float]] = {op: [] for op in COLLECTIVES}  # median repeat per size
+    fastest: dict[str, list[float]] = {op: [] for op in COLLECTIVES}
     try:
         for size in sizes:
             numel = size // 4
@@ -226,11 +245,11 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str) -> None:
                     t0 = time.perf_counter()
                     fn()
                     samples.append(time.perf_counter() - t0)
-                # The fastest repeat: other work on the machine only ever adds time, so the
-                # minimum is the best estimate of what the link itself costs.
-                worst = torch.tensor([min(samples)], dtype=torch.float64)
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a collective lasts as long as its slowest rank
-                results[op].append(float(worst))
+                # A collective lasts as long as its slowest rank: the max over ranks of each statistic.
+                stats = torch.tensor([min(samples), statistics.median(samples)], dtype=torch.float64)
+                dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+                fastest[op].append(float(stats[0]))
+                results[op].append(float(stats[1]))
             # point-to-point: ping-pong between ranks 0 and 1, half the round trip
             samples = []
             for i in range(repeats + 1):
@@ -244,16 +263,149 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str) -> None:
                     dist.send(buf, 0)
                 if i:
                     samples.append((time.perf_counter() - t0) / 2)
-            results["p2p"].append(min(samples) if rank == 0 else 0.0)
+            fastest["p2p"].append(min(samples) if rank == 0 else 0.0)
+            results["p2p"].append(statistics.median(samples) if rank == 0 else 0.0)
+        sync = _sync_probe(repeats)
+        fsdp = _fsdp_unit_probe(repeats)
         if rank == 0:
-            Path(out_path).write_text(json.dumps(results))
+            Path(out_path).write_text(json.dumps({"median": results, "fastest": fastest, "sync": sync,
+                                                  "fsdp": fsdp}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def measure_collectives(world_size: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
-    """Start `world_size` gloo ranks through the elastic launcher and time every collective."""
+def _matmul_block(target_s: float) -> Any:
+    """A function doing about `target_s` of single-thread matmuls, the same count on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+    singles = []
+    for _ in range(30):  # the fastest single call: the other ranks calibrating at once only add time
+        t0 = time.perf_counter()
+        a @ b
+        singles.append(time.perf_counter() - t0)
+    calls = torch.tensor([max(1, int(target_s / max(min(singles), 1e-7)))])
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    count = int(calls)
+
+    def block() -> None:
+        for _ in range(count):
+            a @ b
+
+    return block
+
+
+SYNC_PROBE_BLOCKS_S = (0.002, 0.008)
+
+
+def _sync_probe(repeats: int) -> dict[str, Any]:
+    """compute_stretch and sync_overhead_s at this world size, for two block lengths (see the
+    module docstring); the predictor interpolates in the step's compute time."""
+    import torch.distributed as dist
+
+    from ddlscope.predict.local import busy_period_s, oversubscription_of
+
+    world = dist.get_world_size()
+    blocks = [_sync_block_probe(_matmul_block(target), max(10, 4 * repeats)) for target in SYNC_PROBE_BLOCKS_S]
+    probe: dict[str, Any] = {key: [b[key] for b in blocks] for key in blocks[0]}
+    stretch = [t / a for t, a in zip(probe["block_together_s"], probe["block_alone_s"])]
+    oversubscription = oversubscription_of(world, os.cpu_count() or 1)
+    overhead = [max(t + w - busy_period_s(a, st, oversubscription) - lat, 0.0) for t, w, a, st, lat in
+                zip(probe["block_together_s"], probe["wait_s"], probe["block_alone_s"], stretch, probe["latency_s"])]
+    return {**probe, "compute_stretch": stretch, "sync_overhead_s": overhead}
+
+
+def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    token = torch.zeros(1)
+    alone = []
+    for turn in range(world):  # each rank alone in turn: the others wait in the barrier
+        dist.barrier()
+        if turn == rank:
+            block()
+            for _ in range(max(iterations // 2, 3)):
+                t0 = time.perf_counter()
+                block()
+                alone.append(time.perf_counter() - t0)
+    dist.barrier()
+    latency = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        dist.all_reduce(token)
+        latency.append(time.perf_counter() - t0)
+    together, waits = [], []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        block()
+        t1 = time.perf_counter()
+        dist.all_reduce(token)
+        together.append(t1 - t0)
+        waits.append(time.perf_counter() - t1)
+    mine = torch.tensor([statistics.median(alone), statistics.fmean(together), statistics.fmean(waits),
+                         statistics.median(latency)], dtype=torch.float64)
+    dist.all_reduce(mine)  # mean over ranks
+    alone_s, together_s, wait_s, latency_s = (float(v) / world for v in mine)
+    return {"block_alone_s": alone_s, "block_together_s": together_s, "wait_s": wait_s, "latency_s": latency_s}
+
+
+FSDP_PROBE_SHAPES = ((16, 4), (256, 32))  # (block width, batch): ~1 KiB and ~257 KiB units
+
+
+def _fsdp_unit_probe(repeats: int, units: int = 6) -> dict[str, Any]:
+    """Seconds FSDP adds per unit and step, at two unit sizes: a fixed cost and a per-byte cost.
+
+    Measured on a model of `units` Linear+ReLU blocks, fully_shard per block,
+    against the same model without FSDP. The per-byte part is not only the
+    collectives' bandwidth: copy-in/out and gradient packing, and gloo's
+    threads taking cores from the compute they overlap, grow with the unit.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    def build(width: int) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(units)])
+
+    def step_s(model: nn.Module, x: Any) -> float:
+        for _ in range(2):
+            model(x).sum().backward()
+        samples = []
+        for _ in range(max(8, 3 * repeats)):
+            t0 = time.perf_counter()
+            model(x).sum().backward()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    points = []
+    for width, batch in FSDP_PROBE_SHAPES:
+        x = torch.randn(batch, width)
+        plain_s = step_s(build(width), x)
+        sharded = build(width)
+        for block in sharded:
+            fully_shard(block)
+        fully_shard(sharded)  # the root: no parameters of its own here
+        dist.barrier()
+        fsdp_s = step_s(sharded, x)
+        both = torch.tensor([plain_s, fsdp_s], dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        unit_bytes = (width * width + width) * 4
+        points.append((unit_bytes, max(float(both[1]) - float(both[0]), 0.0) / units))
+    (b0, t0), (b1, t1) = points
+    per_byte = max((t1 - t0) / (b1 - b0), 0.0)
+    return {"unit_bytes": [b for b, _ in points], "unit_overhead_s": [t for _, t in points],
+            "fixed_s": max(t0 - per_byte * b0, 0.0), "per_byte_s": per_byte}
+
+
+def measure_collectives(world_size: int, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Start `world_size` gloo ranks through the elastic launcher: every collective (median and fastest
+    repeat per size), the synchronisation probe and the FSDP per-unit probe."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ddlscope.runtime.launcher import _quiet_torch_logging, free_port
@@ -289,13 +441,18 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
         "compute": measure_compute(quick),
         "collectives": {},
     }
+    profile["sync"], profile["fsdp"] = {}, {}
     for ws in world_sizes:
-        times = measure_collectives(ws, sizes, repeats)
+        measured = measure_collectives(ws, sizes, repeats)
         entry: dict[str, Any] = {}
         for op in COLLECTIVES:
             payload = [s // ws // 4 * 4 if op == "all_gather" else s for s in sizes]
-            entry[op] = {**fit_alpha_beta(payload, times[op]), "sizes": payload, "seconds": times[op]}
+            typical, fastest = measured["median"][op], measured["fastest"][op]
+            entry[op] = {**fit_alpha_beta(payload, typical), "sizes": payload, "seconds": typical,
+                         "fastest": {**fit_alpha_beta(payload, fastest), "seconds": fastest}}
         profile["collectives"][f"ws{ws}"] = entry
+        profile["sync"][f"ws{ws}"] = measured["sync"]
+        profile["fsdp"][f"ws{ws}"] = measured["fsdp"]
     return profile
 
 

@@ -89,7 +89,13 @@ def summarize(store: Store, run: Run) -> Summary:
     for r in steady:
         by_step.setdefault(r["step"], []).append(r)
 
-    mean_step_s = statistics.fmean(max(r["step_s"] for r in rs) for rs in by_step.values()) if by_step else None
+    # The slowest rank's mean step. Not the mean over steps of the longest rank-step: in synchronous
+    # training the ranks' step windows are offset, and the rank that starts first waits longest, so
+    # the longest window of each step overstates the step period (by ~18% at 4 ranks on 2 cores).
+    by_rank: dict[int, list[float]] = {}
+    for r in steady:
+        by_rank.setdefault(r["rank"], []).append(r["step_s"])
+    mean_step_s = max(statistics.fmean(v) for v in by_rank.values()) if by_rank else None
     global_samples = statistics.fmean(sum(r["samples"] for r in rs) for rs in by_step.values()) if by_step else None
     throughput = global_samples / mean_step_s if mean_step_s else None
 

@@ -8,21 +8,34 @@ Per step and rank:
 
 - compute (forward + backward) = ops x per-op overhead + each matmul's FLOPs
   / the calibrated FLOP/s at its size + the other ops' bytes / memory
-  bandwidth, split 1:2 between forward and backward as the FLOPs are; stretched by ranks / cores when the
-  run's processes outnumber the cores.
-- communication, from what the strategy sends, each message timed as
-  max(calibrated alpha + bytes / beta, the emulated link's alpha +
-  wire_bytes / bandwidth) when the run emulated a network (LinkModel waits out
-  the emulated time but the real transfer still happens), else the
-  calibrated time alone:
+  bandwidth, split 1:2 between forward and backward as the FLOPs are; times
+  the calibrated `compute_stretch` (what running beside the other ranks costs).
+- oversubscription: when more ranks compute than there are cores, each waits
+  its turn for a core: the step lasts at least busy CPU time x ranks / cores;
+  the turn-taking shows up as waiting (comm_wait), as it does in the runs.
+- communication, from what the strategy sends, each message timed from the
+  calibrated table of typical (median) gloo times at that world size,
+  interpolated between measured sizes (gloo's cost is not one straight line
+  in the size: it changes algorithm and falls out of cache), or the alpha-beta
+  fit where the profile has no table; max'd with the emulated link's alpha +
+  wire_bytes / bandwidth when the run emulated a network (LinkModel waits out
+  the emulated time but the real transfer still happens):
   ddp: one all-reduce per bucket_mb bucket of gradients (on CPU/gloo DDP's
   all-reduce ends after backward's last bucket, so it counts as exposed);
-  fsdp: per unit an all-gather of its shard in forward, again in backward
-  (reshard after forward; not the root) and a reduce-scatter of its gradients;
-  ps-*: each worker pushes its gradient and pulls the parameters through the
-  server's link, which serialises the workers (sync: all pushes, one update,
-  all answers; async: the server link is a shared queue, a step lasts at
-  least workers x (push + pull)).
+  fsdp: per unit the calibrated fixed cost (hooks, copies, three collectives'
+  latencies) plus the bandwidth part of an all-gather of its shard in forward,
+  again in backward (reshard after forward) and a reduce-scatter of its
+  gradients;
+  ps-*: each worker flattens its gradients, pushes them (a header and a data
+  message) and pulls the parameters through the server's link, which
+  serialises the workers (sync: all pushes, one update, all answers; async:
+  workers of equal speed arrive together and are served in turn, so the mean
+  one queues behind half of the others, and a step lasts at least workers x
+  (push + apply + pull)), then unflattens them. The server's update costs the
+  passes over its shard that runtime/ps_server.py makes (server_apply_passes).
+- synchronisation: a rank that finishes its compute waits for the slowest and
+  for gloo's threads to wake: the calibrated `sync_overhead_s` per step for
+  strategies that meet every step (ddp, fsdp, ps-sync).
 - optimizer: 3 passes over the parameters at memory bandwidth plus per-tensor
   op overheads (none on PS workers: the server steps).
 - model states per rank: parameters / gradients / optimizer bytes (ddp
@@ -55,28 +68,77 @@ def _optimizer_kind(facts: dict[str, Any]) -> str:
     return "sgd-momentum" if facts.get("momentum", 0.0) > 0 else "sgd"
 
 
-def collective_fit(profile: dict[str, Any], kind: str, ranks: int) -> tuple[float, float]:
-    """(alpha_s, beta_bytes_per_s) for `kind` at `ranks` members: that world size or the nearest calibrated."""
+def _nearest_world(tables: dict[str, Any], ranks: int) -> str:
+    sizes = sorted(int(k.removeprefix("ws")) for k in tables)
+    return f"ws{min(sizes, key=lambda s: (abs(s - ranks), -s))}"
+
+
+def collective_fit(profile: dict[str, Any], kind: str, ranks: int) -> dict[str, Any]:
+    """The calibrated entry for `kind` at `ranks` members: that world size or the nearest calibrated."""
     tables = profile["collectives"]
     if not tables:
         raise ConfigError("the calibration has no collective measurements")
-    sizes = sorted(int(k.removeprefix("ws")) for k in tables)
-    if kind == "p2p":
-        ranks = 2 if 2 in sizes else ranks
-    nearest = min(sizes, key=lambda s: (abs(s - ranks), -s))
-    fit = tables[f"ws{nearest}"][kind]
-    return float(fit["alpha_s"]), float(fit["beta_bytes_per_s"])
+    if kind == "p2p" and "ws2" in tables:
+        ranks = 2
+    return tables[_nearest_world(tables, ranks)][kind]
+
+
+def measured_message_s(fit: dict[str, Any], payload_bytes: float) -> float:
+    """Typical gloo time of one message: log-log interpolation in the calibrated table, the
+    alpha-beta fit's slope beyond its largest size, the fit alone when there is no table."""
+    alpha, beta = float(fit["alpha_s"]), float(fit["beta_bytes_per_s"])
+    sizes, seconds = fit.get("sizes"), fit.get("seconds")
+    if not sizes or not seconds or len(sizes) != len(seconds):
+        return alpha + payload_bytes / beta
+    # A larger message is never faster: a median above a larger size's is interference, so take
+    # the lower envelope (each size's time is at most that of any larger size).
+    seconds = list(seconds)
+    for i in range(len(seconds) - 2, -1, -1):
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    if payload_bytes <= sizes[0]:
+        return float(seconds[0])
+    if payload_bytes >= sizes[-1]:
+        return float(seconds[-1]) + (payload_bytes - sizes[-1]) / beta
+    for (s0, t0), (s1, t1) in zip(zip(sizes, seconds), zip(sizes[1:], seconds[1:])):
+        if s0 <= payload_bytes <= s1:
+            w = (math.log(payload_bytes) - math.log(max(s0, 1))) / (math.log(s1) - math.log(max(s0, 1)))
+            return float(math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0))))
+    return alpha + payload_bytes / beta
 
 
 def message_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: int,
               link: tuple[float, float] | None) -> float:
     """One message's time: calibrated gloo time, or the emulated link's if that is longer."""
-    alpha, beta = collective_fit(profile, kind, ranks)
-    measured = alpha + payload_bytes / beta
+    measured = measured_message_s(collective_fit(profile, kind, ranks), payload_bytes)
     if link is None:
         return measured
     wire = payload_bytes * WIRE_FACTORS[kind](max(ranks, 1)) if ranks > 1 or kind == "p2p" else 0.0
     return max(measured, link[0] + wire / link[1])
+
+
+def bandwidth_part_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: int,
+                     link: tuple[float, float] | None) -> float:
+    """A message's time beyond that of an empty one (whose cost a calibrated fixed cost already holds)."""
+    return max(message_s(profile, kind, payload_bytes, ranks, link) - message_s(profile, kind, 0.0, ranks, link),
+               0.0)
+
+
+def machine_probe(profile: dict[str, Any], section: str, ranks: int) -> dict[str, Any]:
+    """The calibrated sync/fsdp probe at `ranks` (nearest world size), {} for an older profile."""
+    tables = profile.get(section) or {}
+    return tables[_nearest_world(tables, ranks)] if tables else {}
+
+
+def sync_at(sync: dict[str, Any], alone_s: float) -> tuple[float, float]:
+    """(compute_stretch, sync_overhead_s) for a step of `alone_s` compute: linear between the probe's
+    two block lengths, held at the nearer one outside them; (1, 0) without a probe."""
+    if not sync:
+        return 1.0, 0.0
+    blocks, stretch, overhead = sync["block_alone_s"], sync["compute_stretch"], sync["sync_overhead_s"]
+    if not isinstance(blocks, list):  # one block length
+        return float(stretch), float(overhead)
+    w = min(max((alone_s - blocks[0]) / max(blocks[1] - blocks[0], 1e-12), 0.0), 1.0)
+    return (float(stretch[0] + w * (stretch[1] - stretch[0])), float(overhead[0] + w * (overhead[1] - overhead[0])))
 
 
 def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
@@ -138,71 +200,99 @@ def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str
     return {"worker": {"parameters": full, "gradients": full, "optimizer": states * full}}
 
 
+def server_apply_passes(strategy: str, workers: int, opt_kind: str) -> float:
+    """Passes over a server's shard per worker step, as runtime/ps_server.py makes them.
+
+    Synchronous rounds keep each push (a clone: read + write), stack them
+    (read + write each), sum (all read, one written) and divide (read +
+    write), once per round, i.e. per worker step; asynchronous pushes are
+    scaled (read + write) each. Then the optimizer step: 3 passes (gradient
+    read, parameter read + write) plus 2 per state tensor.
+    """
+    optimizer = 3 + 2 * STATE_TENSORS[opt_kind]
+    if strategy == "ps-sync":
+        return 2 * workers + 2 * workers + (workers + 1) + 2 + optimizer
+    return 2 + optimizer
+
+
+def oversubscription_of(busy_ranks: int, cores: int) -> float:
+    return max(1.0, busy_ranks / max(cores, 1))
+
+
+def busy_period_s(alone_s: float, stretch: float, oversubscription: float) -> float:
+    """Wall time of `alone_s` of CPU work per rank when every rank does it at once: stretched by
+    running beside the others, and at least ranks / cores times the work when they take turns."""
+    return alone_s * max(stretch, oversubscription) if oversubscription > 1 else alone_s * stretch
+
+
 def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: dict[str, Any],
                   profile: dict[str, Any]) -> dict[str, Any]:
     """Predicted mean step time, its breakdown and model-state memory of one run."""
     strategy = config["strategy"]["name"]
     world = int(config["cluster"]["world_size"])
-    servers = int(config["strategy"].get("servers", 1)) if strategy.startswith("ps") or strategy == "ssp" else 0
+    is_ps = strategy.startswith("ps") or strategy == "ssp"
+    servers = int(config["strategy"].get("servers", 1)) if is_ps else 0
     compute = profile["compute"]
     cores = int(profile.get("meta", {}).get("cores") or environment.get("cores") or 1)
-    oversubscription = max(1.0, (world + servers) / cores)
+    # Servers sleep in recv while the workers compute: only the workers contend for cores then.
+    oversubscription = oversubscription_of(world, cores)
     link = _link(environment)
     notes: list[str] = []
 
-    peak = float(compute["matmul"]["peak_flops"])
     op_s = float(compute["op_overhead_s"])
     mem_bw = float(compute["memory_bandwidth_bytes_per_s"])
-    compute_s = (facts["ops"] * op_s + gemm_time_s(facts, compute)
-                 + facts.get("other_op_bytes", 0) / mem_bw) * oversubscription
+    alone_s = facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw
+    stretch, sync_overhead_s = sync_at(machine_probe(profile, "sync", world), alone_s)
+    compute_s = alone_s * stretch
     forward_s, backward_s = compute_s / 3, 2 * compute_s / 3
 
     n_tensors = len(facts["param_numel"])
     param_bytes = float(facts["param_bytes"])
-    mem_bw = float(compute["memory_bandwidth_bytes_per_s"])
     opt_kind = _optimizer_kind(facts)
     local_params = _shard_bytes(facts, world) if strategy == "fsdp" else param_bytes
     per_tensor_s = float(compute.get("optimizer_tensor_s", 2 * op_s)) * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2
-    optimizer_s = (n_tensors * per_tensor_s
-                   + (3 + 2 * STATE_TENSORS[opt_kind]) * local_params / mem_bw) * oversubscription
-    zero_grad_s = n_tensors * op_s * oversubscription
+    optimizer_s = (n_tensors * per_tensor_s + (3 + 2 * STATE_TENSORS[opt_kind]) * local_params / mem_bw) * stretch
+    zero_grad_s = n_tensors * op_s * stretch
 
     comm_s = 0.0
+    meets_every_step = strategy in ("ddp", "fsdp", "ps-sync")
     if strategy == "ddp":
         # ddlscope passes bucket_cap_mb explicitly, so torch does not use its 1 MiB first bucket.
         bucket = float(config["strategy"].get("bucket_mb", 25.0)) * 2**20
         buckets = max(1, math.ceil(param_bytes / bucket))
-        sizes = [param_bytes / buckets] * buckets
-        comm_s = sum(message_s(profile, "all_reduce", size, world, link) for size in sizes)
+        comm_s = sum(message_s(profile, "all_reduce", param_bytes / buckets, world, link) for _ in range(buckets))
     elif strategy == "fsdp":
-        reshard = config["strategy"].get("reshard_after_forward", True)
-        units = [u for u in facts["fsdp_units"] if u > 0]
-        if config["strategy"].get("wrap", "block") == "model":
-            units = [int(param_bytes)]
-        for i, unit in enumerate(units):
-            is_root = i == len(units) - 1
-            gathers = 1 if is_root or not reshard else 2
-            comm_s += gathers * message_s(profile, "all_gather", unit / world, world, link)
-            comm_s += message_s(profile, "reduce_scatter", unit, world, link)
-    elif servers:
+        comm_s = _fsdp_comm_s(config, facts, profile, world, link, notes)
+    elif is_ps:
         per_server = param_bytes / servers
-        push = message_s(profile, "p2p", per_server, 2, link)
-        pull = message_s(profile, "p2p", per_server, 2, link)
-        apply_s = (per_tensor_s + (3 + 2 * STATE_TENSORS[opt_kind]) * per_server / mem_bw)
-        if config["strategy"].get("name") == "ps-sync":
-            comm_s = world * push + apply_s + world * pull
+        # a header and a data message each way; the worker flattens its gradients and unflattens the answer
+        push = message_s(profile, "p2p", per_server, 2, link) + message_s(profile, "p2p", 0.0, 2, link)
+        pull = push
+        flatten_s = 2 * 2 * param_bytes / mem_bw * stretch
+        apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * per_server / mem_bw
+        if strategy == "ps-sync":
+            comm_s = world * push + apply_s + world * pull + flatten_s
         else:
-            cycle = forward_s + backward_s + zero_grad_s + push + apply_s + pull
-            server_bound = world * (push + pull + apply_s)
-            comm_s = push + apply_s + pull + max(0.0, server_bound - cycle)
+            # Equal workers arrive together and are served in turn: the mean one waits for half of
+            # the others; a saturated server (its work per round longer than a worker's cycle) more.
+            service_s = push + apply_s + pull
+            cycle = forward_s + backward_s + zero_grad_s + flatten_s + service_s
+            queue_s = max((world - 1) / 2 * service_s, world * service_s - cycle)
+            comm_s = service_s + flatten_s + max(queue_s, 0.0)
         optimizer_s = zero_grad_s
         notes.append("ps: the server link serialises the workers' pushes and pulls")
     elif strategy != "single":
         notes.append(f"strategy {strategy}: communication not modelled")
 
-    data_s = 0.0
-    breakdown = {"data_s": data_s, "forward_s": forward_s, "backward_s": backward_s, "comm_wait_s": comm_s,
-                 "optimizer_s": optimizer_s}
+    sync_s = sync_overhead_s if meets_every_step and world > 1 else 0.0
+    # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
+    busy_s = compute_s + optimizer_s
+    turn_wait_s = busy_period_s(busy_s / stretch, stretch, oversubscription) - busy_s
+    if turn_wait_s > 0:
+        notes.append(f"{world} computing ranks on {cores} cores: each waits its turn for a core "
+                     f"({turn_wait_s * 1e3:.2f} ms a step, counted as waiting)")
+    breakdown = {"data_s": 0.0, "forward_s": forward_s, "backward_s": backward_s,
+                 "comm_wait_s": comm_s + sync_s + max(turn_wait_s, 0.0), "optimizer_s": optimizer_s}
     memory = model_state_bytes(config, facts)
     return {
         "step_s": sum(breakdown.values()),
@@ -210,11 +300,42 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         "compute_flops_per_step": facts["flops"],
         "ops_per_step": facts["ops"],
         "oversubscription": oversubscription,
+        "compute_stretch": stretch,
+        "sync_overhead_s": sync_s,
         "link": {"alpha_s": link[0], "bandwidth_bytes_per_s": link[1]} if link else None,
         "memory_bytes": memory,
         "model_state_bytes": sum(memory["worker"].values()),
         "notes": notes,
     }
+
+
+def _fsdp_comm_s(config: dict[str, Any], facts: dict[str, Any], profile: dict[str, Any], world: int,
+                 link: tuple[float, float] | None, notes: list[str]) -> float:
+    """Per unit: the calibrated fixed + per-byte FSDP cost (hooks, copies, its collectives on this
+    machine), or, where an emulated link is slower, the fixed cost + the link's time for its
+    all-gathers and reduce-scatter."""
+    reshard = config["strategy"].get("reshard_after_forward", True)
+    units = [u for u in facts["fsdp_units"] if u > 0]
+    if config["strategy"].get("wrap", "block") == "model":
+        units = [int(facts["param_bytes"])]
+    probe = machine_probe(profile, "fsdp", world)
+    if not probe:
+        notes.append("fsdp: the calibration has no FSDP per-unit probe (rerun ddlscope calibrate)")
+    comm_s = 0.0
+    for i, unit in enumerate(units):
+        gathers = 1 if (i == len(units) - 1 and len(units) > 1) or not reshard else 2
+        messages_s = (gathers * message_s(profile, "all_gather", unit / world, world, link)
+                      + message_s(profile, "reduce_scatter", unit, world, link))
+        if not probe:
+            comm_s += messages_s
+            continue
+        fixed_s, per_byte_s = float(probe["fixed_s"]), float(probe["per_byte_s"])
+        link_s = 0.0
+        if link is not None:
+            link_s = (gathers * (link[0] + unit / world * WIRE_FACTORS["all_gather"](world) / link[1])
+                      + link[0] + unit * WIRE_FACTORS["reduce_scatter"](world) / link[1])
+        comm_s += fixed_s + max(per_byte_s * unit, link_s)
+    return comm_s
 
 
 def measured_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
