@@ -9,8 +9,10 @@ model-state bytes, with the mean absolute percentage error of each
 
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--json OUT]
 
-Without --calibration it runs `calibrate --quick` for world sizes 2 and 4 first.
-About 3-5 minutes on 2 cores.
+Without --calibration it calibrates world sizes 2 and 4 first (the full
+calibration: 5 repeats per size; --quick-calibration for 3). About 3 minutes
+on 2 cores. Run it on an otherwise idle machine: other work stretches the runs
+but not the calibration that predicts them, or the other way round.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ CONFIGS: list[tuple[str, int, dict]] = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibration", type=Path, default=None)
+    parser.add_argument("--quick-calibration", action="store_true", help="calibrate with 3 repeats, not 5")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None, help="write every row here")
     args = parser.parse_args()
@@ -59,7 +62,7 @@ def main() -> int:
         if args.calibration:
             profile = load_profile(args.calibration)
         else:
-            profile = calibrate([2, 4], quick=True)
+            profile = calibrate([2, 4], quick=args.quick_calibration)
             write_profile(profile, Path(tmp) / "calibration.toml")
         db = Path(tmp) / "bench.db"
         rows = []

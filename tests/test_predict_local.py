@@ -127,14 +127,14 @@ def test_probes_enter_the_prediction():
     probed = {**PROFILE,
               "sync": {"ws2": {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.5, 1.5],
                                "sync_overhead_s": [2e-3, 2e-3]}},
-              "fsdp": {"ws2": {"fixed_s": 1e-3, "per_byte_s": 1e-9}}}
+              "fsdp": {"ws2": {"unit_bytes": [1e3, 1e5], "unit_overhead_s": [1e-3, 1.099e-3]}}}
     base = predict_local(_config("ddp"), {}, FACTS, PROFILE)
     ddp = predict_local(_config("ddp"), {}, FACTS, probed)
     assert ddp["breakdown_s"]["forward_s"] == pytest.approx(1.5 * base["breakdown_s"]["forward_s"])
     assert ddp["sync_overhead_s"] == pytest.approx(2e-3)
     fsdp = predict_local(_config("fsdp"), {}, FACTS, probed)
     units = [u for u in FACTS["fsdp_units"] if u > 0]
-    expected = sum(1e-3 + 1e-9 * u for u in units)
+    expected = sum(1e-3 + 1e-9 * (u - 1e3) for u in units)  # on the line through the two probes
     assert fsdp["breakdown_s"]["comm_wait_s"] == pytest.approx(expected + 2e-3)
     # an emulated link slower than the machine sets each unit's floor
     slow = {"network": {"emulated": True, "alpha_s": 1e-3, "bandwidth_bytes_per_s": 1e6}}
@@ -149,3 +149,13 @@ def test_server_update_passes_follow_the_server_loop():
     assert server_apply_passes("ps-async", 2, "sgd") == 2 + 3
     assert server_apply_passes("ps-sync", 2, "sgd-momentum") == 4 + 4 + 3 + 2 + 5
     assert server_apply_passes("ps-sync", 4, "sgd") > server_apply_passes("ps-sync", 2, "sgd")
+
+
+def test_linear_interpolation_extends_the_end_segments():
+    from ddlscope.predict.local import interpolate_linear
+
+    xs, ys = [1.0, 2.0, 4.0], [1.0, 3.0, 4.0]
+    assert interpolate_linear(xs, ys, 1.5) == pytest.approx(2.0)
+    assert interpolate_linear(xs, ys, 3.0) == pytest.approx(3.5)
+    assert interpolate_linear(xs, ys, 8.0) == pytest.approx(6.0)  # the last slope
+    assert interpolate_linear(xs, ys, -10.0) == 0.0  # never negative

@@ -25,10 +25,10 @@ What is measured, each with one intra-op thread per process as training ranks us
   what a rank waits at each step's synchronisation for the slowest rank and
   for gloo's threads to wake. On this 2-core machine it is about a
   millisecond: the same order as a small model's whole step.
-- FSDP's fixed cost per unit and step, per world size: fully_shard on a model
-  of tiny blocks (whose collectives carry almost no bytes) minus the same
-  model without it, per unit: hooks, copy-in/out, and the three collectives'
-  latencies (two all-gathers, a reduce-scatter).
+- FSDP's cost per unit and step, per world size, at unit sizes from ~1 KiB
+  to 4 MiB: fully_shard on a model of Linear blocks minus the same model
+  without it, per unit: hooks, copy-in/out, and the unit's collectives (two
+  all-gathers, a reduce-scatter), as a step pays them.
 
 The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
 wake-ups are tens of microseconds, comparable to the whole message), so one
@@ -210,7 +210,7 @@ def measure_overheads(quick: bool) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- collectives (worker ranks)
-def collective_worker(sizes_json: str, repeats: int, out_path: str) -> None:
+def collective_worker(sizes_json: str, repeats: int, out_path: str, quick: bool = False) -> None:
     """One rank of the collective benchmark (elastic_launch needs it importable at top level)."""
     import warnings
 
@@ -266,7 +266,7 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str) -> None:
             fastest["p2p"].append(min(samples) if rank == 0 else 0.0)
             results["p2p"].append(statistics.median(samples) if rank == 0 else 0.0)
         sync = _sync_probe(repeats)
-        fsdp = _fsdp_unit_probe(repeats)
+        fsdp = _fsdp_unit_probe(repeats, quick)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"median": results, "fastest": fastest, "sync": sync,
                                                   "fsdp": fsdp}))
@@ -353,16 +353,20 @@ def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
     return {"block_alone_s": alone_s, "block_together_s": together_s, "wait_s": wait_s, "latency_s": latency_s}
 
 
-FSDP_PROBE_SHAPES = ((16, 4), (256, 32))  # (block width, batch): ~1 KiB and ~257 KiB units
+# Block widths of the FSDP probe: units of ~1 KiB, 16 KiB, 257 KiB and 4 MiB of fp32 parameters.
+FSDP_PROBE_WIDTHS = (16, 64, 256, 1024)
+QUICK_FSDP_PROBE_WIDTHS = (16, 256)
+FSDP_PROBE_BATCH = 32
 
 
-def _fsdp_unit_probe(repeats: int, units: int = 6) -> dict[str, Any]:
-    """Seconds FSDP adds per unit and step, at two unit sizes: a fixed cost and a per-byte cost.
+def _fsdp_unit_probe(repeats: int, quick: bool, units: int = 4) -> dict[str, Any]:
+    """Seconds FSDP adds per unit and step, at several unit sizes (the predictor interpolates).
 
     Measured on a model of `units` Linear+ReLU blocks, fully_shard per block,
-    against the same model without FSDP. The per-byte part is not only the
-    collectives' bandwidth: copy-in/out and gradient packing, and gloo's
-    threads taking cores from the compute they overlap, grow with the unit.
+    against the same model without FSDP: hooks, copy-in/out, gradient
+    packing and the unit's two all-gathers and reduce-scatter, with gloo's
+    threads taking cores from the compute they overlap. On a CPU none of that
+    is a straight line in the bytes, so it is measured at each size.
     """
     import torch
     import torch.distributed as dist
@@ -377,15 +381,15 @@ def _fsdp_unit_probe(repeats: int, units: int = 6) -> dict[str, Any]:
         for _ in range(2):
             model(x).sum().backward()
         samples = []
-        for _ in range(max(8, 3 * repeats)):
+        for _ in range(max(6, 2 * repeats)):
             t0 = time.perf_counter()
             model(x).sum().backward()
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    points = []
-    for width, batch in FSDP_PROBE_SHAPES:
-        x = torch.randn(batch, width)
+    unit_bytes, overhead_s = [], []
+    for width in QUICK_FSDP_PROBE_WIDTHS if quick else FSDP_PROBE_WIDTHS:
+        x = torch.randn(FSDP_PROBE_BATCH, width)
         plain_s = step_s(build(width), x)
         sharded = build(width)
         for block in sharded:
@@ -395,15 +399,12 @@ def _fsdp_unit_probe(repeats: int, units: int = 6) -> dict[str, Any]:
         fsdp_s = step_s(sharded, x)
         both = torch.tensor([plain_s, fsdp_s], dtype=torch.float64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        unit_bytes = (width * width + width) * 4
-        points.append((unit_bytes, max(float(both[1]) - float(both[0]), 0.0) / units))
-    (b0, t0), (b1, t1) = points
-    per_byte = max((t1 - t0) / (b1 - b0), 0.0)
-    return {"unit_bytes": [b for b, _ in points], "unit_overhead_s": [t for _, t in points],
-            "fixed_s": max(t0 - per_byte * b0, 0.0), "per_byte_s": per_byte}
+        unit_bytes.append((width * width + width) * 4)
+        overhead_s.append(max(float(both[1]) - float(both[0]), 0.0) / units)
+    return {"unit_bytes": unit_bytes, "unit_overhead_s": overhead_s, "batch": FSDP_PROBE_BATCH}
 
 
-def measure_collectives(world_size: int, sizes: list[int], repeats: int) -> dict[str, Any]:
+def measure_collectives(world_size: int, sizes: list[int], repeats: int, quick: bool = False) -> dict[str, Any]:
     """Start `world_size` gloo ranks through the elastic launcher: every collective (median and fastest
     repeat per size), the synchronisation probe and the FSDP per-unit probe."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -419,7 +420,7 @@ def measure_collectives(world_size: int, sizes: list[int], repeats: int) -> dict
         previous = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
-            elastic_launch(config, collective_worker)(json.dumps(sizes), repeats, str(out))
+            elastic_launch(config, collective_worker)(json.dumps(sizes), repeats, str(out), quick)
         finally:
             if previous is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -443,7 +444,7 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
     }
     profile["sync"], profile["fsdp"] = {}, {}
     for ws in world_sizes:
-        measured = measure_collectives(ws, sizes, repeats)
+        measured = measure_collectives(ws, sizes, repeats, quick)
         entry: dict[str, Any] = {}
         for op in COLLECTIVES:
             payload = [s // ws // 4 * 4 if op == "all_gather" else s for s in sizes]

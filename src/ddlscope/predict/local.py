@@ -22,10 +22,11 @@ Per step and rank:
   the emulated time but the real transfer still happens):
   ddp: one all-reduce per bucket_mb bucket of gradients (on CPU/gloo DDP's
   all-reduce ends after backward's last bucket, so it counts as exposed);
-  fsdp: per unit the calibrated fixed cost (hooks, copies, three collectives'
-  latencies) plus the bandwidth part of an all-gather of its shard in forward,
-  again in backward (reshard after forward) and a reduce-scatter of its
-  gradients;
+  fsdp: per unit the calibrated FSDP cost at its size (hooks, copies, its
+  all-gather in forward, again in backward, and the reduce-scatter of its
+  gradients, as fully_shard pays them on this machine), interpolated between
+  the probed unit sizes; with an emulated link, at least the smallest unit's
+  cost plus the link's time for those three collectives;
   ps-*: each worker flattens its gradients, pushes them (a header and a data
   message) and pulls the parameters through the server's link, which
   serialises the workers (sync: all pushes, one update, all answers; async:
@@ -114,13 +115,6 @@ def message_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: i
         return measured
     wire = payload_bytes * WIRE_FACTORS[kind](max(ranks, 1)) if ranks > 1 or kind == "p2p" else 0.0
     return max(measured, link[0] + wire / link[1])
-
-
-def bandwidth_part_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: int,
-                     link: tuple[float, float] | None) -> float:
-    """A message's time beyond that of an empty one (whose cost a calibrated fixed cost already holds)."""
-    return max(message_s(profile, kind, payload_bytes, ranks, link) - message_s(profile, kind, 0.0, ranks, link),
-               0.0)
 
 
 def machine_probe(profile: dict[str, Any], section: str, ranks: int) -> dict[str, Any]:
@@ -311,9 +305,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
 
 def _fsdp_comm_s(config: dict[str, Any], facts: dict[str, Any], profile: dict[str, Any], world: int,
                  link: tuple[float, float] | None, notes: list[str]) -> float:
-    """Per unit: the calibrated fixed + per-byte FSDP cost (hooks, copies, its collectives on this
-    machine), or, where an emulated link is slower, the fixed cost + the link's time for its
-    all-gathers and reduce-scatter."""
+    """Per unit: the calibrated FSDP cost at its size (hooks, copies, its collectives on this
+    machine), or, where an emulated link is slower, the smallest unit's cost + the link's time for
+    its all-gathers and reduce-scatter."""
     reshard = config["strategy"].get("reshard_after_forward", True)
     units = [u for u in facts["fsdp_units"] if u > 0]
     if config["strategy"].get("wrap", "block") == "model":
@@ -329,13 +323,26 @@ def _fsdp_comm_s(config: dict[str, Any], facts: dict[str, Any], profile: dict[st
         if not probe:
             comm_s += messages_s
             continue
-        fixed_s, per_byte_s = float(probe["fixed_s"]), float(probe["per_byte_s"])
-        link_s = 0.0
-        if link is not None:
-            link_s = (gathers * (link[0] + unit / world * WIRE_FACTORS["all_gather"](world) / link[1])
-                      + link[0] + unit * WIRE_FACTORS["reduce_scatter"](world) / link[1])
-        comm_s += fixed_s + max(per_byte_s * unit, link_s)
+        machine_s = interpolate_linear(probe["unit_bytes"], probe["unit_overhead_s"], unit)
+        if link is None:
+            comm_s += machine_s
+            continue
+        link_s = (gathers * (link[0] + unit / world * WIRE_FACTORS["all_gather"](world) / link[1])
+                  + link[0] + unit * WIRE_FACTORS["reduce_scatter"](world) / link[1])
+        # the emulated link waits out its own time; the machine's fixed cost (the smallest unit's) remains
+        comm_s += max(machine_s, float(probe["unit_overhead_s"][0]) + link_s)
     return comm_s
+
+
+def interpolate_linear(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys); beyond either end, the nearest segment's slope (not below 0)."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = 0
+    while i < len(xs) - 2 and x > xs[i + 1]:
+        i += 1
+    slope = (ys[i + 1] - ys[i]) / max(xs[i + 1] - xs[i], 1e-12)
+    return max(float(ys[i] + slope * (x - xs[i])), 0.0)
 
 
 def measured_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
