@@ -7,7 +7,7 @@ calibration, and prints predicted vs measured mean step time and rank 0's
 model-state bytes, with the mean absolute percentage error of each
 (targets: <= 10% step time, <= 5% memory).
 
-    .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--json OUT]
+    .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
 
 Without --calibration it calibrates world sizes 2 and 4 first (the full
 calibration: 5 repeats per size; --quick-calibration for 3). About 3 minutes
@@ -45,6 +45,8 @@ def main() -> int:
     parser.add_argument("--calibration", type=Path, default=None)
     parser.add_argument("--quick-calibration", action="store_true", help="calibrate with 3 repeats, not 5")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run each configuration this many times and compare with the median run")
     parser.add_argument("--json", type=Path, default=None, help="write every row here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -71,26 +73,36 @@ def main() -> int:
             overrides = {**WORKLOAD, "strategy.name": strategy, "cluster.world_size": world,
                          "workload.steps": args.steps, **network}
             exp = load_experiment(None, overrides)
-            result = launch(exp, db)
             label = f"{strategy} x{world} {'custom' if network else 'local'}"
-            if result.status != "finished":  # e.g. another launch on this machine took the same free port
-                console.print(f"{label}: {result.status} ({result.error}); retrying once")
+            runs = []
+            for _ in range(args.repeats):
                 result = launch(exp, db)
-            if result.status != "finished":
-                console.print(f"{label}: {result.status} {result.error}")
+                if result.status != "finished":  # e.g. another launch on this machine took the same free port
+                    console.print(f"{label}: {result.status} ({result.error}); retrying once")
+                    result = launch(exp, db)
+                if result.status != "finished":
+                    console.print(f"{label}: {result.status} {result.error}")
+                    continue
+                with Store(db) as store:
+                    run = store.get_run(result.run_id)
+                    runs.append((run, measured_from_summary(summarize(store, run).to_dict())))
+            if not runs:
                 continue
-            with Store(db) as store:
-                run = store.get_run(result.run_id)
-                summary = summarize(store, run).to_dict()
+            # The run with the median step time: this machine's noise between identical runs is
+            # not the predictor's error.
+            runs.sort(key=lambda pair: pair[1]["step_s"])
+            run, measured = runs[len(runs) // 2]
             key = json.dumps([run.config["workload"], exp.per_rank_batch()], sort_keys=True)
             if key not in facts_cache:
                 facts_cache[key] = workload_facts(run.config)
             predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
-            measured = measured_from_summary(summary)
             rows.append({"config": label, "predicted": predicted, "measured": measured,
-                         "error": compare(predicted, measured)})
+                         "error": compare(predicted, measured),
+                         "measured_step_s_repeats": [m["step_s"] for _, m in runs]})
+            spread = (f" (repeats {min(m['step_s'] for _, m in runs) * 1e3:.2f}-"
+                      f"{max(m['step_s'] for _, m in runs) * 1e3:.2f})" if len(runs) > 1 else "")
             console.print(f"{label}: step {predicted['step_s'] * 1e3:.2f} ms predicted, "
-                          f"{measured['step_s'] * 1e3:.2f} ms measured")
+                          f"{measured['step_s'] * 1e3:.2f} ms measured{spread}")
 
     table = Table("config", "step pred ms", "step meas ms", "err", "states pred B", "states meas B", "err",
                   title="local predictor vs measured")

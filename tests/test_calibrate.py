@@ -112,3 +112,5 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     fsdp = profile["fsdp"]["ws2"]
     assert len(fsdp["unit_bytes"]) == len(fsdp["unit_overhead_s"]) == 2  # quick: two unit sizes
     assert all(t > 0 for t in fsdp["unit_overhead_s"])  # fully_shard costs something per unit
+    ddp = profile["ddp"]["ws2"]
+    assert ddp["model_bytes"][1] > ddp["model_bytes"][0] and all(t > 0 for t in ddp["overhead_s"])

@@ -132,10 +132,15 @@ def test_probes_enter_the_prediction():
     ddp = predict_local(_config("ddp"), {}, FACTS, probed)
     assert ddp["breakdown_s"]["forward_s"] == pytest.approx(1.5 * base["breakdown_s"]["forward_s"])
     assert ddp["sync_overhead_s"] == pytest.approx(2e-3)
+    with_ddp_probe = {**probed, "ddp": {"ws2": {"model_bytes": [0.0, 1e5], "overhead_s": [1e-3, 2e-3]}}}
+    ddp_probed = predict_local(_config("ddp"), {}, FACTS, with_ddp_probe)
+    assert ddp_probed["breakdown_s"]["comm_wait_s"] == pytest.approx(1e-3 + 1e-8 * FACTS["param_bytes"])
+    assert ddp_probed["sync_overhead_s"] == 0.0
+    assert predict_local(_config("ps-sync", servers=1), {}, FACTS, probed)["sync_overhead_s"] == pytest.approx(2e-3)
     fsdp = predict_local(_config("fsdp"), {}, FACTS, probed)
     units = [u for u in FACTS["fsdp_units"] if u > 0]
     expected = sum(1e-3 + 1e-9 * (u - 1e3) for u in units)  # on the line through the two probes
-    assert fsdp["breakdown_s"]["comm_wait_s"] == pytest.approx(expected + 2e-3)
+    assert fsdp["breakdown_s"]["comm_wait_s"] == pytest.approx(expected)  # the probe's steps include the wait
     # an emulated link slower than the machine sets each unit's floor
     slow = {"network": {"emulated": True, "alpha_s": 1e-3, "bandwidth_bytes_per_s": 1e6}}
     assert predict_local(_config("fsdp"), slow, FACTS, probed)["step_s"] > fsdp["step_s"] + 4 * 1e-3

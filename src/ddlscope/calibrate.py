@@ -25,10 +25,12 @@ What is measured, each with one intra-op thread per process as training ranks us
   what a rank waits at each step's synchronisation for the slowest rank and
   for gloo's threads to wake. On this 2-core machine it is about a
   millisecond: the same order as a small model's whole step.
-- FSDP's cost per unit and step, per world size, at unit sizes from ~1 KiB
-  to 4 MiB: fully_shard on a model of Linear blocks minus the same model
-  without it, per unit: hooks, copy-in/out, and the unit's collectives (two
-  all-gathers, a reduce-scatter), as a step pays them.
+- what DDP and FSDP add to a step, per world size, at model sizes from KiB
+  to MiB (`_strategy_probes`): a model of Linear blocks stepped wrapped and
+  unwrapped; the difference is the strategy's cost as a step pays it (hooks,
+  bucket or shard copies, the collectives, gloo's threads competing with the
+  compute they overlap). DDP per step against the model's bytes, FSDP per
+  unit against the unit's bytes.
 
 The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
 wake-ups are tens of microseconds, comparable to the whole message), so one
@@ -266,10 +268,10 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str, quick: bool 
             fastest["p2p"].append(min(samples) if rank == 0 else 0.0)
             results["p2p"].append(statistics.median(samples) if rank == 0 else 0.0)
         sync = _sync_probe(repeats)
-        fsdp = _fsdp_unit_probe(repeats, quick)
+        strategies = _strategy_probes(repeats, quick)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"median": results, "fastest": fastest, "sync": sync,
-                                                  "fsdp": fsdp}))
+                                                  **strategies}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -353,31 +355,59 @@ def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
     return {"block_alone_s": alone_s, "block_together_s": together_s, "wait_s": wait_s, "latency_s": latency_s}
 
 
-# Block widths of the FSDP probe: units of ~1 KiB, 16 KiB, 257 KiB and 4 MiB of fp32 parameters.
-FSDP_PROBE_WIDTHS = (16, 64, 256, 1024)
-QUICK_FSDP_PROBE_WIDTHS = (16, 256)
-FSDP_PROBE_BATCH = 32
+# Block widths of the strategy probes: FSDP units of ~1 KiB, 16 KiB, 257 KiB and 4 MiB of fp32
+# parameters; DDP models of 4 such blocks (~4 KiB .. 16 MiB, one 25 MiB bucket).
+PROBE_WIDTHS = (16, 64, 256, 1024)
+QUICK_PROBE_WIDTHS = (16, 256)
+PROBE_BATCH = 32
+PROBE_BLOCKS = 4
 
 
-def _fsdp_unit_probe(repeats: int, quick: bool, units: int = 4) -> dict[str, Any]:
-    """Seconds FSDP adds per unit and step, at several unit sizes (the predictor interpolates).
+def _strategy_probes(repeats: int, quick: bool) -> dict[str, dict[str, Any]]:
+    """What DDP and FSDP add to a step on this machine, at several model sizes (see the module docstring).
 
-    Measured on a model of `units` Linear+ReLU blocks, fully_shard per block,
-    against the same model without FSDP: hooks, copy-in/out, gradient
-    packing and the unit's two all-gathers and reduce-scatter, with gloo's
-    threads taking cores from the compute they overlap. On a CPU none of that
-    is a straight line in the bytes, so it is measured at each size.
+    A model of PROBE_BLOCKS Linear+ReLU blocks is stepped (forward + backward)
+    wrapped and unwrapped; the difference is the strategy's cost as a step
+    pays it: hooks, bucket or shard copies, the collectives themselves, and
+    gloo's threads taking cores from the compute they overlap. On a CPU none
+    of that is a straight line in the bytes, so it is measured at each size:
+    DDP per step against the model's bytes, FSDP per unit (fully_shard per
+    block) against the unit's bytes.
     """
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    def shard_blocks(model: Any) -> Any:
+        for block in model:
+            fully_shard(block)
+        return fully_shard(model)  # the root: no parameters of its own here
+
+    probes: dict[str, dict[str, Any]] = {"ddp": {"model_bytes": [], "overhead_s": []},
+                                         "fsdp": {"unit_bytes": [], "unit_overhead_s": []}}
+    for width in QUICK_PROBE_WIDTHS if quick else PROBE_WIDTHS:
+        block_bytes = (width * width + width) * 4
+        ddp_s = _wrapped_step_overhead_s(width, lambda m: DistributedDataParallel(m, bucket_cap_mb=25), repeats)
+        probes["ddp"]["model_bytes"].append(PROBE_BLOCKS * block_bytes)
+        probes["ddp"]["overhead_s"].append(ddp_s)
+        fsdp_s = _wrapped_step_overhead_s(width, shard_blocks, repeats)
+        probes["fsdp"]["unit_bytes"].append(block_bytes)
+        probes["fsdp"]["unit_overhead_s"].append(fsdp_s / PROBE_BLOCKS)
+    return probes
+
+
+def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
+    """Median forward + backward of the probe model wrapped minus unwrapped, the slowest rank's."""
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
 
-    def build(width: int) -> nn.Module:
+    def build() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(units)])
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(PROBE_BLOCKS)])
 
-    def step_s(model: nn.Module, x: Any) -> float:
+    x = torch.randn(PROBE_BATCH, width)
+
+    def step_s(model: nn.Module) -> float:
         for _ in range(2):
             model(x).sum().backward()
         samples = []
@@ -387,21 +417,13 @@ def _fsdp_unit_probe(repeats: int, quick: bool, units: int = 4) -> dict[str, Any
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    unit_bytes, overhead_s = [], []
-    for width in QUICK_FSDP_PROBE_WIDTHS if quick else FSDP_PROBE_WIDTHS:
-        x = torch.randn(FSDP_PROBE_BATCH, width)
-        plain_s = step_s(build(width), x)
-        sharded = build(width)
-        for block in sharded:
-            fully_shard(block)
-        fully_shard(sharded)  # the root: no parameters of its own here
-        dist.barrier()
-        fsdp_s = step_s(sharded, x)
-        both = torch.tensor([plain_s, fsdp_s], dtype=torch.float64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        unit_bytes.append((width * width + width) * 4)
-        overhead_s.append(max(float(both[1]) - float(both[0]), 0.0) / units)
-    return {"unit_bytes": unit_bytes, "unit_overhead_s": overhead_s, "batch": FSDP_PROBE_BATCH}
+    plain_s = step_s(build())
+    wrapped = wrap(build())
+    dist.barrier()
+    wrapped_s = step_s(wrapped)
+    both = torch.tensor([plain_s, wrapped_s], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return max(float(both[1]) - float(both[0]), 0.0)
 
 
 def measure_collectives(world_size: int, sizes: list[int], repeats: int, quick: bool = False) -> dict[str, Any]:
@@ -442,7 +464,7 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
         "compute": measure_compute(quick),
         "collectives": {},
     }
-    profile["sync"], profile["fsdp"] = {}, {}
+    profile["sync"], profile["ddp"], profile["fsdp"] = {}, {}, {}
     for ws in world_sizes:
         measured = measure_collectives(ws, sizes, repeats, quick)
         entry: dict[str, Any] = {}
@@ -453,6 +475,7 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
                          "fastest": {**fit_alpha_beta(payload, fastest), "seconds": fastest}}
         profile["collectives"][f"ws{ws}"] = entry
         profile["sync"][f"ws{ws}"] = measured["sync"]
+        profile["ddp"][f"ws{ws}"] = measured["ddp"]
         profile["fsdp"][f"ws{ws}"] = measured["fsdp"]
     return profile
 

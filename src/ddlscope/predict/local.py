@@ -20,8 +20,12 @@ Per step and rank:
   fit where the profile has no table; max'd with the emulated link's alpha +
   wire_bytes / bandwidth when the run emulated a network (LinkModel waits out
   the emulated time but the real transfer still happens):
-  ddp: one all-reduce per bucket_mb bucket of gradients (on CPU/gloo DDP's
-  all-reduce ends after backward's last bucket, so it counts as exposed);
+  ddp: the calibrated DDP cost at the model's size (hooks, bucket copies and
+  the all-reduces as a step pays them on this machine), interpolated between
+  the probed model sizes; with an emulated link at least the smallest
+  model's cost plus the link's time for one all-reduce per bucket_mb bucket
+  (on CPU/gloo DDP's all-reduce ends after backward's last bucket, so it
+  counts as exposed); without the probe, the all-reduces from the table;
   fsdp: per unit the calibrated FSDP cost at its size (hooks, copies, its
   all-gather in forward, again in backward, and the reduce-scatter of its
   gradients, as fully_shard pays them on this machine), interpolated between
@@ -36,7 +40,8 @@ Per step and rank:
   passes over its shard that runtime/ps_server.py makes (server_apply_passes).
 - synchronisation: a rank that finishes its compute waits for the slowest and
   for gloo's threads to wake: the calibrated `sync_overhead_s` per step for
-  strategies that meet every step (ddp, fsdp, ps-sync).
+  ps-sync, and for ddp/fsdp when the profile has no probe of theirs (their
+  probes time whole steps, that wait included).
 - optimizer: 3 passes over the parameters at memory bandwidth plus per-tensor
   op overheads (none on PS workers: the server steps).
 - model states per rank: parameters / gradients / optimizer bytes (ddp
@@ -249,12 +254,12 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     zero_grad_s = n_tensors * op_s * stretch
 
     comm_s = 0.0
-    meets_every_step = strategy in ("ddp", "fsdp", "ps-sync")
+    # The DDP and FSDP probes time whole steps, each rank's wait for the others included; the
+    # synchronisation probe is for what has no probe of its own.
+    meets_every_step = strategy == "ps-sync" or (strategy in ("ddp", "fsdp")
+                                                 and not machine_probe(profile, strategy, world))
     if strategy == "ddp":
-        # ddlscope passes bucket_cap_mb explicitly, so torch does not use its 1 MiB first bucket.
-        bucket = float(config["strategy"].get("bucket_mb", 25.0)) * 2**20
-        buckets = max(1, math.ceil(param_bytes / bucket))
-        comm_s = sum(message_s(profile, "all_reduce", param_bytes / buckets, world, link) for _ in range(buckets))
+        comm_s = _ddp_comm_s(config, param_bytes, profile, world, link)
     elif strategy == "fsdp":
         comm_s = _fsdp_comm_s(config, facts, profile, world, link, notes)
     elif is_ps:
@@ -301,6 +306,25 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         "model_state_bytes": sum(memory["worker"].values()),
         "notes": notes,
     }
+
+
+def _ddp_comm_s(config: dict[str, Any], param_bytes: float, profile: dict[str, Any], world: int,
+                link: tuple[float, float] | None) -> float:
+    """The calibrated DDP cost at this model size (hooks, bucket copies, its all-reduces on this
+    machine), or, where an emulated link is slower, the smallest model's cost + the link's time for
+    each bucket's all-reduce. Without a DDP probe: the all-reduces from the collective table."""
+    # ddlscope passes bucket_cap_mb explicitly, so torch does not use its 1 MiB first bucket.
+    bucket = float(config["strategy"].get("bucket_mb", 25.0)) * 2**20
+    buckets = max(1, math.ceil(param_bytes / bucket))
+    messages_s = sum(message_s(profile, "all_reduce", param_bytes / buckets, world, link) for _ in range(buckets))
+    probe = machine_probe(profile, "ddp", world)
+    if not probe:
+        return messages_s
+    machine_s = interpolate_linear(probe["model_bytes"], probe["overhead_s"], param_bytes)
+    if link is None:
+        return machine_s
+    wire = param_bytes / buckets * WIRE_FACTORS["all_reduce"](world)
+    return max(machine_s, float(probe["overhead_s"][0]) + buckets * (link[0] + wire / link[1]))
 
 
 def _fsdp_comm_s(config: dict[str, Any], facts: dict[str, Any], profile: dict[str, Any], world: int,
