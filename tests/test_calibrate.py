@@ -91,10 +91,15 @@ def test_bad_world_sizes_are_a_one_line_error(tmp_path: Path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_calibrate_quick_writes_a_profile(tmp_path: Path):
-    proc = _cli(tmp_path, "calibrate", "--world-sizes", "2", "--quick", "-o", "prof.toml")
+    proc = _cli(tmp_path, "calibrate", "--world-sizes", "2", "--quick", "-o", "prof.toml", "--db", "s.db")
     assert proc.returncode == 0, proc.stderr
     assert "all_reduce" in proc.stdout and "R^2" in proc.stdout
     profile = tomllib.loads((tmp_path / "prof.toml").read_text())
+    from ddlscope.store import Store
+
+    with Store(tmp_path / "s.db") as store:  # the store keeps the same profile
+        calibration_id, stored = store.latest_calibration(profile["meta"]["host"])
+    assert calibration_id == 1 and stored == profile
     assert profile["compute"]["peak_flops"] > 1e8
     assert profile["compute"]["memory_bandwidth_bytes_per_s"] > 1e8
     entry = profile["collectives"]["ws2"]
@@ -114,3 +119,24 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     assert all(t > 0 for t in fsdp["unit_overhead_s"])  # fully_shard costs something per unit
     ddp = profile["ddp"]["ws2"]
     assert ddp["model_bytes"][1] > ddp["model_bytes"][0] and all(t > 0 for t in ddp["overhead_s"])
+
+
+def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, monkeypatch):
+    from ddlscope.cli_calibrate import resolve_calibration
+    from ddlscope.store import Store
+
+    monkeypatch.chdir(tmp_path)  # no ./ddlscope-calibration.toml here
+    with Store(tmp_path / "s.db") as store:
+        with pytest.raises(ConfigError, match="run `ddlscope calibrate` first"):
+            resolve_calibration(store, None, "h")
+        for value in (1.0, 2.0):
+            store.add_calibration({"meta": {"host": "h", "quick": True}, "compute": {"peak_flops": value},
+                                   "collectives": {"ws2": {}, "ws4": {}}})
+        store.add_calibration({"meta": {"host": "other"}, "compute": {"peak_flops": 3.0}, "collectives": {}})
+        profile, source = resolve_calibration(store, None, "h")
+        assert profile["compute"]["peak_flops"] == 2.0 and source.startswith("calibration 2 in")
+        assert store.conn.execute("SELECT world_sizes FROM calibrations WHERE id=2").fetchone()[0] == "2,4"
+        explicit = tmp_path / "p.toml"
+        write_profile({"meta": {"host": "h"}, "compute": {"peak_flops": 9.0},
+                       "collectives": {"ws2": {"p2p": {"alpha_s": 1e-4}}}}, explicit)
+        assert resolve_calibration(store, explicit, "h")[0]["compute"]["peak_flops"] == 9.0

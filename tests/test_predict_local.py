@@ -87,7 +87,7 @@ def test_predict_run_on_a_stored_ddp_run(tmp_path: Path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result) == {"run", "predicted", "measured", "error"}
+    assert set(result) == {"run", "calibration", "predicted", "measured", "error"}
     assert set(result["predicted"]["breakdown_s"]) == {"data_s", "forward_s", "backward_s", "comm_wait_s",
                                                        "optimizer_s"}
     assert result["predicted"]["step_s"] > 0 and result["measured"]["step_s"] > 0
@@ -164,3 +164,19 @@ def test_linear_interpolation_extends_the_end_segments():
     assert interpolate_linear(xs, ys, 3.0) == pytest.approx(3.5)
     assert interpolate_linear(xs, ys, 8.0) == pytest.approx(6.0)  # the last slope
     assert interpolate_linear(xs, ys, -10.0) == 0.0  # never negative
+
+
+def test_parameter_server_round_from_the_transport_probe():
+    from ddlscope.predict.local import ps_round_s
+
+    probed = {**PROFILE, "ps": {"ws2": {"workers": 1, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3]},
+                                "ws4": {"workers": 3, "bytes": [1e4, 1e6], "round_s": [3e-4, 5e-3]}}}
+    assert ps_round_s(probed, 1, 1e6, None) == pytest.approx(1e-3)
+    assert ps_round_s(probed, 2, 1e6, None) == pytest.approx(3e-3)  # between 1 and 3 workers
+    assert ps_round_s(probed, 4, 1e6, None) == pytest.approx(7e-3)  # the last slope beyond
+    assert ps_round_s(probed, 2, 1e6, (1e-3, 1e7)) == pytest.approx(4 * (1e-3 + 0.1))  # the link is slower
+    # without a probe: every message in turn from the two-rank table
+    assert ps_round_s(PROFILE, 2, 1e6, None) == pytest.approx(4 * (2e-4 + 1e6 / 1e9))
+    sync = predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, probed)
+    plain = predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, PROFILE)
+    assert sync["breakdown_s"]["comm_wait_s"] != plain["breakdown_s"]["comm_wait_s"]

@@ -31,6 +31,11 @@ What is measured, each with one intra-op thread per process as training ranks us
   bucket or shard copies, the collectives, gloo's threads competing with the
   compute they overlap). DDP per step against the model's bytes, FSDP per
   unit against the unit's bytes.
+- a parameter server's transport round, per world size (`_incast_probe`):
+  all ranks but the last push a header and a message to the last, which
+  answers each; the round's time as the workers see it, at a few sizes.
+  Many senders to one receiver on shared cores cost more than two-rank
+  ping-pong suggests.
 
 The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
 wake-ups are tens of microseconds, comparable to the whole message), so one
@@ -40,7 +45,7 @@ on the sizes where bandwidth dominates (>= 64 KiB), with its R^2, and alpha is
 the median, over the small sizes (<= 16 KiB), of time - bytes/beta: a direct
 latency estimate. R^2 over all sizes with that (alpha, beta) is reported too.
 
-The profile is a TOML file (the store has no calibrations table yet).
+The profile is a TOML file, and `ddlscope calibrate` keeps it in the store too.
 Everything that needs torch is here, not in ddlscope.predict, which stays
 torch-free; `workload_facts` (FLOPs, op counts, parameter bytes of one rank's
 step) is the torch side of `ddlscope predict-run`.
@@ -51,6 +56,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -269,9 +275,10 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str, quick: bool 
             results["p2p"].append(statistics.median(samples) if rank == 0 else 0.0)
         sync = _sync_probe(repeats)
         strategies = _strategy_probes(repeats, quick)
+        incast = _incast_probe(repeats, quick)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"median": results, "fastest": fastest, "sync": sync,
-                                                  **strategies}))
+                                                  "ps": incast, **strategies}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -395,6 +402,56 @@ def _strategy_probes(repeats: int, quick: bool) -> dict[str, dict[str, Any]]:
     return probes
 
 
+INCAST_SIZES = (64 << 10, 1 << 20, 4 << 20)
+QUICK_INCAST_SIZES = (256 << 10, 4 << 20)
+
+
+def _incast_probe(repeats: int, quick: bool) -> dict[str, Any]:
+    """A parameter server's transport round at this world size: every rank but the last pushes a
+    header and `size` bytes to the last rank, which takes them in arrival order and answers each with
+    a header and `size` bytes (the messages, tags and order of strategies/ps.py and
+    runtime/ps_server.py, without the update). The round's time as the workers see it, per size:
+    many senders to one receiver on shared cores, which two-rank ping-pong does not show."""
+    import torch
+    import torch.distributed as dist
+
+    from ddlscope.strategies.ps import DATA_TAG, HEADER_TAG, PUSH_HEADER, REPLY_HEADER
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    server, workers = world - 1, world - 1
+    sizes, round_s = [], []
+    for size in QUICK_INCAST_SIZES if quick else INCAST_SIZES:
+        data = torch.ones(size // 4)
+        header, reply = torch.zeros(PUSH_HEADER, dtype=torch.int64), torch.zeros(REPLY_HEADER, dtype=torch.int64)
+        samples = []
+        for i in range(max(6, 2 * repeats) + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == server:
+                sources = []
+                for _ in range(workers):
+                    source = dist.recv(header, src=None, tag=HEADER_TAG)
+                    dist.recv(data, src=source, tag=DATA_TAG)
+                    sources.append(source)
+                sends = []
+                for source in sources:
+                    sends += [dist.isend(reply, source, tag=HEADER_TAG), dist.isend(data, source, tag=DATA_TAG)]
+                for work in sends:
+                    work.wait()
+            else:
+                pending = [dist.isend(header, server, tag=HEADER_TAG), dist.isend(data, server, tag=DATA_TAG),
+                           dist.irecv(reply, server, tag=HEADER_TAG), dist.irecv(data, server, tag=DATA_TAG)]
+                for work in pending:
+                    work.wait()
+            if i:  # the first round warms up
+                samples.append(time.perf_counter() - t0)
+        mine = torch.tensor([statistics.median(samples) if rank != server else 0.0], dtype=torch.float64)
+        dist.all_reduce(mine)
+        sizes.append(size)
+        round_s.append(float(mine) / workers)  # mean over the workers
+    return {"workers": workers, "bytes": sizes, "round_s": round_s}
+
+
 def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
     """Median forward + backward of the probe model wrapped minus unwrapped, the slowest rank's."""
     import torch
@@ -458,13 +515,13 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
     sizes = message_sizes(quick)
     repeats = 3 if quick else 5
     profile: dict[str, Any] = {
-        "meta": {"created_at": time.time(), "host": os.uname().nodename, "cores": os.cpu_count() or 1,
+        "meta": {"created_at": time.time(), "host": socket.gethostname(), "cores": os.cpu_count() or 1,
                  "torch": torch.__version__, "quick": quick, "backend": "gloo",
                  "load_average_1min": os.getloadavg()[0]},  # other work on the machine skews every figure
         "compute": measure_compute(quick),
         "collectives": {},
     }
-    profile["sync"], profile["ddp"], profile["fsdp"] = {}, {}, {}
+    profile["sync"], profile["ddp"], profile["fsdp"], profile["ps"] = {}, {}, {}, {}
     for ws in world_sizes:
         measured = measure_collectives(ws, sizes, repeats, quick)
         entry: dict[str, Any] = {}
@@ -477,6 +534,7 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
         profile["sync"][f"ws{ws}"] = measured["sync"]
         profile["ddp"][f"ws{ws}"] = measured["ddp"]
         profile["fsdp"][f"ws{ws}"] = measured["fsdp"]
+        profile["ps"][f"ws{ws}"] = measured["ps"]
     return profile
 
 

@@ -62,11 +62,13 @@ def register(app: typer.Typer) -> None:
         world_sizes: Annotated[str, typer.Option("--world-sizes", help="Comma-separated world sizes to measure.")] = "2,4",
         quick: Annotated[bool, typer.Option("--quick", help="Fewer sizes and repeats (seconds instead of a minute).")] = False,
         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Profile TOML to write.")] = None,
-        db: Annotated[Optional[Path], typer.Option("--db", help="Store (unused: the store has no calibrations table yet).")] = None,
+        db: Annotated[Path, typer.Option("--db", help="Store that keeps the profile too (predict-run reads the newest).")] = Path("ddlscope.db"),
         as_json: Annotated[bool, typer.Option("--json", help="Print the profile as one JSON object.")] = False,
     ) -> None:
-        """Measure this machine: matmul FLOP/s, memory bandwidth, gloo collectives' alpha/beta per world size."""
+        """Measure this machine: matmul FLOP/s, memory bandwidth, gloo collectives per world size, and what
+        synchronisation, DDP, FSDP and a parameter server's round cost here (for `predict-run`)."""
         from ddlscope.calibrate import DEFAULT_PROFILE, calibrate as run_calibration, write_profile
+        from ddlscope.store import Store
 
         sizes = parse_world_sizes(world_sizes)
         path = output or DEFAULT_PROFILE
@@ -75,8 +77,12 @@ def register(app: typer.Typer) -> None:
         import warnings
 
         warnings.filterwarnings("ignore", category=FutureWarning)
+        with Store(db):  # a bad --db fails now, not after a minute of measuring
+            pass
         profile = run_calibration(sizes, quick)
         write_profile(profile, path)
+        with Store(db) as store:
+            calibration_id = store.add_calibration(profile)
         if as_json:
             print(json.dumps(profile))
             return
@@ -86,12 +92,12 @@ def register(app: typer.Typer) -> None:
         if load > cores / 2:
             console.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cores} cores during calibration: "
                           "other processes were running; figures may be pessimistic and noisy")
-        console.print(f"profile: {path.resolve()}")
+        console.print(f"profile: {path.resolve()} (also calibration {calibration_id} in {db})")
 
     @app.command("predict-run")
     def predict_run(
         run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
-        calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Profile from `ddlscope calibrate`.")] = None,
+        calibration: Annotated[Optional[Path], typer.Option("--calibration", help="Profile TOML from `ddlscope calibrate` (default: the newest in the store for the run's host, else ./ddlscope-calibration.toml).")] = None,
         db: Annotated[Path, typer.Option("--db", help="SQLite store holding runs and their rows.")] = Path("ddlscope.db"),
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
@@ -113,29 +119,47 @@ def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_js
 def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict[str, Any]:
     """Prediction, measurement and errors for one stored run (the logic behind `predict-run`)."""
     from ddlscope.analysis.summary import summarize
-    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile, workload_facts
+    from ddlscope.calibrate import workload_facts
     from ddlscope.predict.local import compare, measured_from_summary, predict_local
     from ddlscope.store import Store, StoreError
 
     if not db.exists():
         raise StoreError(f"no store at {db} (run `ddlscope run` first, or pass --db)")
-    profile = load_profile(calibration or DEFAULT_PROFILE)
     with Store(db) as store:
         run = store.get_run(run_ref)
         summary = summarize(store, run).to_dict()
+        profile, source = resolve_calibration(store, calibration, run.host)
     facts = workload_facts(run.config)
     predicted = predict_local(run.config, run.environment, facts, profile)
     measured = measured_from_summary(summary)
     return {"run": {"id": run.id, "name": run.name, "workload": run.workload, "strategy": run.strategy,
                     "world_size": run.world_size, "network": run.environment.get("network", {}).get("profile")},
+            "calibration": source,
             "predicted": predicted, "measured": measured, "error": compare(predicted, measured)}
+
+
+def resolve_calibration(store: Any, calibration: Path | None, host: str) -> tuple[dict[str, Any], str]:
+    """The profile to predict with, and where it came from: --calibration FILE; else the newest
+    calibration in the store taken on the run's host; else ./ddlscope-calibration.toml."""
+    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile
+
+    if calibration is not None:
+        return load_profile(calibration), str(calibration)
+    stored = store.latest_calibration(host)
+    if stored is not None:
+        return stored[1], f"calibration {stored[0]} in {store.path}"
+    if DEFAULT_PROFILE.is_file():
+        return load_profile(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
+    raise ConfigError(f"no calibration of host {host!r} in {store.path} and no {DEFAULT_PROFILE}: "
+                      "run `ddlscope calibrate` first (or pass --calibration FILE)")
 
 
 def prediction_table(result: dict[str, Any]) -> Table:
     p, m = result["predicted"], result["measured"]
     r = result["run"]
     table = Table("", "predicted", "measured", "error",
-                  title=f"run {r['id']}: {r['strategy']} x{r['world_size']} {r['workload']} (network {r['network']})")
+                  title=f"run {r['id']}: {r['strategy']} x{r['world_size']} {r['workload']} (network {r['network']})",
+                  caption=f"machine profile: {result.get('calibration', '-')}")
 
     def ms(v: float | None) -> str:
         return f"{v * 1e3:.3f} ms" if v is not None else "-"

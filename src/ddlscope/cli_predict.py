@@ -113,7 +113,7 @@ def predict_command(
     against: Annotated[Optional[str], typer.Option(
         "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.")] = None,
     calibration: Annotated[Optional[Path], typer.Option(
-        "--calibration", help="With --against: profile from `ddlscope calibrate`.")] = None,
+        "--calibration", help="With --against: profile TOML from `ddlscope calibrate` (default: the newest in the store).")] = None,
     db: Annotated[Path, typer.Option("--db", help="With --against: the store.")] = Path("ddlscope.db"),
 ) -> None:
     """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""

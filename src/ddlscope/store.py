@@ -79,6 +79,14 @@ CREATE TABLE IF NOT EXISTS updates (
     {", ".join(f"{c} {'INTEGER' if c in ('worker', 'worker_step', 'staleness', 'bytes') else 'REAL'}" for c in UPDATE_COLUMNS)},
     PRIMARY KEY (run_id, rank, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS calibrations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at REAL NOT NULL,
+    host TEXT NOT NULL,
+    quick INTEGER NOT NULL,
+    world_sizes TEXT NOT NULL,
+    profile_json TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     run_id INTEGER NOT NULL REFERENCES runs(id) ON DELETE CASCADE,
     rank INTEGER NOT NULL,
@@ -295,6 +303,27 @@ class Store:
             (workload, strategy, status),
         ).fetchall()
         return [_run_from_row(r) for r in rows]
+
+
+    # ------------------------------------------------------------------ calibrations (ddlscope calibrate)
+    def add_calibration(self, profile: dict[str, Any]) -> int:
+        """Keep one machine profile (calibrate's dict); returns its id."""
+        meta = profile.get("meta", {})
+        sizes = ",".join(sorted((k.removeprefix("ws") for k in profile.get("collectives", {})), key=int))
+        with self.transaction() as conn:
+            cur = conn.execute(
+                "INSERT INTO calibrations(created_at, host, quick, world_sizes, profile_json) VALUES (?,?,?,?,?)",
+                (float(meta.get("created_at", time.time())), str(meta.get("host", "")), int(bool(meta.get("quick"))),
+                 sizes, json.dumps(profile)))
+            return int(cur.lastrowid)
+
+    def latest_calibration(self, host: str | None = None) -> tuple[int, dict[str, Any]] | None:
+        """(id, profile) of the newest calibration (of `host`, when given), or None."""
+        query, args = "SELECT id, profile_json FROM calibrations", ()
+        if host is not None:
+            query, args = query + " WHERE host=?", (host,)
+        row = self.conn.execute(query + " ORDER BY id DESC LIMIT 1", args).fetchone()
+        return (int(row["id"]), json.loads(row["profile_json"])) if row else None
 
 
 def _statements() -> list[str]:

@@ -33,11 +33,13 @@ Per step and rank:
   cost plus the link's time for those three collectives;
   ps-*: each worker flattens its gradients, pushes them (a header and a data
   message) and pulls the parameters through the server's link, which
-  serialises the workers (sync: all pushes, one update, all answers; async:
-  workers of equal speed arrive together and are served in turn, so the mean
-  one queues behind half of the others, and a step lasts at least workers x
-  (push + apply + pull)), then unflattens them. The server's update costs the
-  passes over its shard that runtime/ps_server.py makes (server_apply_passes).
+  serialises the workers: a round of all pushes and answers from the
+  calibrated transport probe (ps_round_s; sync: the round, one update;
+  async: workers of equal speed arrive together and are served in turn, so
+  the mean one queues behind half of the others, and a step lasts at least
+  workers x (its share of the round + update)), then unflattens them. The
+  server's update costs the passes over its shard that runtime/ps_server.py
+  makes (server_apply_passes).
 - synchronisation: a rank that finishes its compute waits for the slowest and
   for gloo's threads to wake: the calibrated `sync_overhead_s` per step for
   ps-sync, and for ddp/fsdp when the profile has no probe of theirs (their
@@ -199,6 +201,28 @@ def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str
     return {"worker": {"parameters": full, "gradients": full, "optimizer": states * full}}
 
 
+def ps_round_s(profile: dict[str, Any], workers: int, payload_bytes: float,
+               link: tuple[float, float] | None) -> float:
+    """One server's round: every worker pushes a header and `payload_bytes`, the server answers each.
+
+    From the calibrated transport probe (linear in the workers between the
+    world sizes measured, in the bytes between its sizes), else from the
+    two-rank p2p table, the server taking the messages one at a time; with an
+    emulated link at least its time for every push and answer in turn.
+    """
+    probes = profile.get("ps") or {}
+    if probes:
+        by_workers = sorted((int(p["workers"]), interpolate_linear(p["bytes"], p["round_s"], payload_bytes))
+                            for p in probes.values())
+        measured = interpolate_linear([w for w, _ in by_workers], [t for _, t in by_workers], workers)
+    else:
+        one_way = message_s(profile, "p2p", payload_bytes, 2, None) + message_s(profile, "p2p", 0.0, 2, None)
+        measured = 2 * workers * one_way
+    if link is None:
+        return measured
+    return max(measured, 2 * workers * (link[0] + payload_bytes / link[1]))
+
+
 def server_apply_passes(strategy: str, workers: int, opt_kind: str) -> float:
     """Passes over a server's shard per worker step, as runtime/ps_server.py makes them.
 
@@ -264,22 +288,22 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         comm_s = _fsdp_comm_s(config, facts, profile, world, link, notes)
     elif is_ps:
         per_server = param_bytes / servers
-        # a header and a data message each way; the worker flattens its gradients and unflattens the answer
-        push = message_s(profile, "p2p", per_server, 2, link) + message_s(profile, "p2p", 0.0, 2, link)
-        pull = push
-        flatten_s = 2 * 2 * param_bytes / mem_bw * stretch
+        flatten_s = 2 * 2 * param_bytes / mem_bw * stretch  # cat the gradients, copy the answer back
         apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * per_server / mem_bw
+        round_s = ps_round_s(profile, world, per_server, link)
         if strategy == "ps-sync":
-            comm_s = world * push + apply_s + world * pull + flatten_s
+            comm_s = round_s + apply_s + flatten_s
         else:
             # Equal workers arrive together and are served in turn: the mean one waits for half of
             # the others; a saturated server (its work per round longer than a worker's cycle) more.
-            service_s = push + apply_s + pull
+            service_s = round_s / world + apply_s
             cycle = forward_s + backward_s + zero_grad_s + flatten_s + service_s
             queue_s = max((world - 1) / 2 * service_s, world * service_s - cycle)
             comm_s = service_s + flatten_s + max(queue_s, 0.0)
         optimizer_s = zero_grad_s
         notes.append("ps: the server link serialises the workers' pushes and pulls")
+        if servers > 1:
+            notes.append(f"ps: {servers} servers taken to work in parallel, each a round of its shard")
     elif strategy != "single":
         notes.append(f"strategy {strategy}: communication not modelled")
 
