@@ -165,3 +165,51 @@ def test_the_issue_example_runs_on_a_subset_of_the_cluster():
                 "energy_kwh_per_step", "cost_usd_per_step", "breakdown_s"):
         assert key in out
     assert 0 < out["mfu"] < 1 and any("64 of the cluster's 512 GPUs" in n for n in out["notes"])
+
+
+# A profile as `ddlscope calibrate` writes it (the fields local:1xN reads), numbers of this machine's order.
+LOCAL_PROFILE = {
+    "meta": {"host": "h", "cores": 2, "memory_bytes": 24 * 2**30},
+    "compute": {"peak_flops": 1.6e11, "matmul": {"sizes": [64, 128, 256, 512], "flops": [4e10, 1.2e11, 1.6e11, 1.4e11]},
+                "bf16": {"size": 512, "flops": 1.1e12}, "memory_bandwidth_bytes_per_s": 1.7e10,
+                "op_overhead_s": 2.4e-6},
+    "collectives": {f"ws{n}": {"all_reduce": {"alpha_s": 3e-4 * (n - 1), "beta_bytes_per_s": 1.2e9 / (n - 1)}}
+                    for n in (2, 4)},
+}
+
+
+def test_local_cluster_comes_from_the_calibration():
+    from ddlscope.predict import ModelSpec, ParallelSpec, predict
+    from ddlscope.predict.catalogue import ClusterStringError, parse_cluster
+
+    cluster = parse_cluster("local:1x2", local_profile=LOCAL_PROFILE)
+    dev = cluster.device
+    assert dev.peak("fp32") == 1.6e11 and dev.peak("bf16") == 1.1e12
+    assert dev.memory_bytes == 12 * 2**30  # two ranks share the machine's memory
+    assert dev.efficiency.gemm_kernel_fraction == dev.efficiency.sustained_fraction == 1.0
+    assert 0 < dev.efficiency.gemm_half_dim < 128  # 64 runs at a quarter of the peak: sat(64) = 1/2 -> d = 64
+    # the ring model over 2 ranks gives back the calibrated all-reduce: alpha + bytes / beta
+    link = cluster.node.intra
+    assert 2 * link.alpha_s + 1e6 / link.achieved_bytes_per_s == pytest.approx(3e-4 + 1e6 / 1.2e9)
+    small = ModelSpec(hidden=256, heads=4, layers=2, seq=128, vocab=65, global_batch=16, dtype="fp32")
+    result = predict(small, ParallelSpec(dp=2, micro_batch=8), cluster)
+    assert result.fits and 0 < result.step_time_s < 10 and result.cost_usd_per_step == 0.0
+    with pytest.raises(ClusterStringError, match="use local:1xN"):
+        parse_cluster("local:2x2", local_profile=LOCAL_PROFILE)
+    with pytest.raises(ClusterStringError, match="calibrate"):
+        parse_cluster("local:1x2")
+
+
+def test_local_cluster_on_the_command_line(main, tmp_path, monkeypatch):
+    from ddlscope.calibrate import write_profile
+
+    monkeypatch.chdir(tmp_path)
+    args = ("predict", "--cluster", "local:1x2", "--model", "gpt", "--hidden", "256", "--heads", "4", "--layers",
+            "2", "--seq", "128", "--vocab", "65", "--global-batch", "16", "--micro-batch", "8", "--dtype", "fp32",
+            "--json")
+    code, _, err = main(*args)  # no calibration anywhere: one line, exit 2
+    assert code == 2 and "ddlscope calibrate" in err and len(err.strip().splitlines()) == 1
+    write_profile(LOCAL_PROFILE, tmp_path / "ddlscope-calibration.toml")
+    code, out, err = main(*args)
+    assert code == 0, err
+    assert json.loads(out)["cluster"] == "local:1x2"

@@ -517,6 +517,7 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
     profile: dict[str, Any] = {
         "meta": {"created_at": time.time(), "host": socket.gethostname(), "cores": os.cpu_count() or 1,
                  "torch": torch.__version__, "quick": quick, "backend": "gloo",
+                 "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                  "load_average_1min": os.getloadavg()[0]},  # other work on the machine skews every figure
         "compute": measure_compute(quick),
         "collectives": {},

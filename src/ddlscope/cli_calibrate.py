@@ -154,6 +154,20 @@ def resolve_calibration(store: Any, calibration: Path | None, host: str) -> tupl
                       "run `ddlscope calibrate` first (or pass --calibration FILE)")
 
 
+def this_machine_profile(calibration: Path | None, db: Path) -> dict[str, Any]:
+    """The profile that `local:1xN` clusters describe: --calibration FILE, else the newest
+    calibration of this host in the store at `db` (when it exists), else ./ddlscope-calibration.toml."""
+    import socket
+
+    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile
+    from ddlscope.store import Store
+
+    if calibration is None and db.is_file():
+        with Store(db) as store:
+            return resolve_calibration(store, None, socket.gethostname())[0]
+    return load_profile(calibration or DEFAULT_PROFILE)
+
+
 def prediction_table(result: dict[str, Any]) -> Table:
     p, m = result["predicted"], result["measured"]
     r = result["run"]

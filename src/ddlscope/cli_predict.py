@@ -59,7 +59,9 @@ REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batc
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(
     help="TOML file with cluster, [model] and [parallel]; flags override it.")]
-ClusterOpt = Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8.")]
+ClusterOpt = Annotated[Optional[str], typer.Option(
+    "--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
+                      "as `ddlscope calibrate` measured it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model family: gpt.")]
 HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Hidden size h.")]
 HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Attention heads a.")]
@@ -74,6 +76,10 @@ KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", help="Key/value
 GatedOpt = Annotated[Optional[bool], typer.Option("--gated-mlp/--plain-mlp", help="SwiGLU MLP (Llama) or GeLU (GPT).")]
 SpotOpt = Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Price with spot rates.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+CalibrationOpt = Annotated[Optional[Path], typer.Option(
+    "--calibration", help="For --against or a local:1xN cluster: profile TOML from `ddlscope calibrate` "
+                          "(default: the newest in the store, else ./ddlscope-calibration.toml).")]
+DbOpt = Annotated[Path, typer.Option("--db", help="The store (for --against, and calibrations).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -112,9 +118,8 @@ def predict_command(
     as_json: JsonOpt = False,
     against: Annotated[Optional[str], typer.Option(
         "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.")] = None,
-    calibration: Annotated[Optional[Path], typer.Option(
-        "--calibration", help="With --against: profile TOML from `ddlscope calibrate` (default: the newest in the store).")] = None,
-    db: Annotated[Path, typer.Option("--db", help="With --against: the store.")] = Path("ddlscope.db"),
+    calibration: CalibrationOpt = None,
+    db: DbOpt = Path("ddlscope.db"),
 ) -> None:
     """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""
     if against is not None:
@@ -122,7 +127,7 @@ def predict_command(
 
         print_run_prediction(against, db, calibration, as_json)
         return
-    from ddlscope.predict import parse_cluster, predict
+    from ddlscope.predict import predict
 
     raw = _read_config(config)
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
@@ -131,7 +136,8 @@ def predict_command(
     parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
                            sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule)
-    the_cluster = parse_cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"))
+    the_cluster = _cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
+                           calibration, db)
     spec = _model_spec(model_raw)
     parallel = _parallel_spec(parallel_raw, the_cluster.n_gpus)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
@@ -163,9 +169,10 @@ def plan_command(
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
     as_json: JsonOpt = False,
+    calibration: CalibrationOpt = None,
+    db: DbOpt = Path("ddlscope.db"),
 ) -> None:
     """Search every valid TP x PP x DP x micro-batch x ZeRO x recompute x SP x interleave config; rank those that fit."""
-    from ddlscope.predict import parse_cluster
     from ddlscope.predict.planner import plan
 
     raw = _read_config(config)
@@ -177,7 +184,8 @@ def plan_command(
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
     if max_micro_batch < 1:
         raise ConfigError(f"--max-micro-batch = {max_micro_batch}: must be >= 1")
-    the_cluster = parse_cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"))
+    the_cluster = _cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
+                           calibration, db)
     spec = _model_spec(model_raw)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
     result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch)
@@ -191,6 +199,17 @@ def plan_command(
 
 
 # ---------------------------------------------------------------------------- input
+def _cluster(text: str, calibration: Optional[Path], db: Path):
+    """A catalogue cluster, or `local:1xN` from this machine's calibration."""
+    from ddlscope.predict.catalogue import LOCAL, cluster_name, parse_cluster
+
+    if cluster_name(str(text)) == LOCAL:
+        from ddlscope.cli_calibrate import this_machine_profile
+
+        return parse_cluster(str(text), local_profile=this_machine_profile(calibration, db))
+    return parse_cluster(str(text))
+
+
 def _read_config(path: Optional[Path]) -> dict[str, Any]:
     if path is None:
         return {}

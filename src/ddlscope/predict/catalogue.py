@@ -173,8 +173,10 @@ def _link(key: str, d: dict[str, Any]) -> Link:
 _CLUSTER_STRING = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
-def parse_cluster(text: str, catalogue: Catalogue | None = None) -> Cluster:
-    """`a100-80gb:64x8` -> 64 nodes of 8 A100-80GB. Bad strings raise ClusterStringError."""
+def parse_cluster(text: str, catalogue: Catalogue | None = None,
+                  local_profile: dict[str, Any] | None = None) -> Cluster:
+    """`a100-80gb:64x8` -> 64 nodes of 8 A100-80GB; `local:1x2` -> two ranks of this machine as
+    `local_profile` (a `ddlscope calibrate` profile) describes it. Bad strings raise ClusterStringError."""
     catalogue = catalogue or load_catalogue()
     names = ", ".join(sorted(catalogue.clusters))
     match = _CLUSTER_STRING.match(text or "")
@@ -182,11 +184,22 @@ def parse_cluster(text: str, catalogue: Catalogue | None = None) -> Cluster:
         raise ClusterStringError(f"cluster = {text!r}: expected NAME:NODESxGPUS_PER_NODE, "
                                  f"e.g. a100-80gb:64x8; names: {names}")
     name, nodes, gpus = match.group(1).lower(), int(match.group(2)), int(match.group(3))
-    if name not in catalogue.clusters:
-        raise ClusterStringError(f"cluster = {text!r}: unknown cluster {name!r}; allowed: {names}")
     if nodes < 1 or gpus < 1:
         raise ClusterStringError(f"cluster = {text!r}: nodes and GPUs per node must be >= 1")
+    if name == LOCAL:
+        if local_profile is None:
+            raise ClusterStringError(f"cluster = {text!r}: {LOCAL} needs this machine's calibration "
+                                     "(run `ddlscope calibrate`)")
+        return local_cluster(local_profile, nodes, gpus)
+    if name not in catalogue.clusters:
+        raise ClusterStringError(f"cluster = {text!r}: unknown cluster {name!r}; allowed: {names}, {LOCAL}")
     return make_cluster(name, nodes, gpus, catalogue)
+
+
+def cluster_name(text: str) -> str | None:
+    """The NAME of a NAME:NODESxGPUS string (lower case), None when it is not one."""
+    match = _CLUSTER_STRING.match(text or "")
+    return match.group(1).lower() if match else None
 
 
 def make_cluster(name: str, nodes: int, gpus_per_node: int, catalogue: Catalogue | None = None) -> Cluster:
@@ -209,3 +222,61 @@ def make_cluster(name: str, nodes: int, gpus_per_node: int, catalogue: Catalogue
 
 def cluster_names() -> list[str]:
     return sorted(load_catalogue().clusters)
+
+
+LOCAL = "local"
+# What a rank's process holds before the model: torch, gloo, Python (~0.4 GB peak RSS of small runs here).
+LOCAL_FRAMEWORK_OVERHEAD_BYTES = 0.4 * GIB
+
+
+def local_cluster(profile: dict[str, Any], nodes: int, ranks: int) -> Cluster:
+    """`local:1xN`: N ranks of this machine, from a `ddlscope calibrate` profile.
+
+    Peaks are the measured matmul FLOP/s (fp32, and bf16 where measured), so
+    the kernel and sustained fractions are 1; the efficiency curve's half
+    dimension is fitted to the measured square matmuls (rate / peak =
+    sat(n)^2); FlashAttention runs at the measured rate of a 128 matmul; the
+    memory bandwidth is the measured copy rate; the per-kernel gap is the
+    measured per-op overhead; the ranks share the machine's memory. The link
+    is gloo on loopback: the calibrated all-reduce at the nearest world size,
+    time = alpha + bytes / beta, mapped onto the ring model (2(n-1) steps of
+    latency, 2(n-1)/n of the bytes). Power and prices are unknown (0).
+    """
+    if nodes != 1:
+        raise ClusterStringError(f"cluster = '{LOCAL}:{nodes}x{ranks}': {LOCAL} is this machine: use {LOCAL}:1xN")
+    compute, meta = profile.get("compute", {}), profile.get("meta", {})
+    try:
+        fp32 = float(compute["peak_flops"])
+        sizes, rates = compute["matmul"]["sizes"], compute["matmul"]["flops"]
+        memory = float(meta["memory_bytes"])
+    except KeyError as missing:
+        raise ConfigError(f"the calibration has no {missing.args[0]}: rerun `ddlscope calibrate`") from None
+    peaks = {"fp32": fp32}
+    if compute.get("bf16"):
+        peaks["bf16"] = float(compute["bf16"]["flops"])
+    half_dims = [n * (1 - (r / fp32) ** 0.5) / (r / fp32) ** 0.5 for n, r in zip(sizes, rates) if 0 < r < fp32]
+    half_dim = sorted(half_dims)[len(half_dims) // 2] if half_dims else 1.0
+    rate_128 = min(zip(sizes, rates), key=lambda size_rate: abs(size_rate[0] - 128))[1]
+    device = Device(key=LOCAL, description=f"this machine ({meta.get('host', '?')}, {meta.get('cores', '?')} cores)",
+                    peak_flops=peaks, memory_bytes=memory / ranks,
+                    memory_bandwidth_bytes_per_s=float(compute["memory_bandwidth_bytes_per_s"]),
+                    power_w=0.0, price_usd_per_hour=0.0, spot_price_usd_per_hour=0.0,
+                    efficiency=Efficiency(gemm_kernel_fraction=1.0, gemm_half_dim=half_dim, sustained_fraction=1.0,
+                                          flash_attention_fraction=min(rate_128 / fp32, 1.0), memory_fraction=1.0,
+                                          kernel_overhead_s=float(compute["op_overhead_s"])),
+                    framework_overhead_bytes=LOCAL_FRAMEWORK_OVERHEAD_BYTES)
+    link = _loopback_link(profile, ranks)
+    return Cluster(name=LOCAL, device=device, nodes=1, gpus_per_node=ranks,
+                   node=NodeShape(gpus=ranks, intra=link, inter=link, nics=1))
+
+
+def _loopback_link(profile: dict[str, Any], ranks: int) -> Link:
+    tables = profile.get("collectives") or {}
+    if not tables:
+        raise ConfigError("the calibration has no collective measurements: rerun `ddlscope calibrate`")
+    world = min((int(k.removeprefix("ws")) for k in tables), key=lambda w: (abs(w - ranks), -w))
+    fit = tables[f"ws{world}"]["all_reduce"]
+    steps = 2 * (world - 1)
+    return Link(key="gloo-loopback", description=f"gloo on loopback (calibrated at {world} ranks)",
+                bandwidth_bytes_per_s=float(fit["beta_bytes_per_s"]) * steps / world,
+                alpha_s=float(fit["alpha_s"]) / steps, efficiency=1.0)
