@@ -9,7 +9,7 @@ model-state bytes, with the mean absolute percentage error of each
 
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
 
-Without --calibration it calibrates world sizes 2 and 4 first (the full
+Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
 calibration: 5 repeats per size; --quick-calibration for 3). About 3 minutes
 on 2 cores. Run it on an otherwise idle machine: other work stretches the runs
 but not the calibration that predicts them, or the other way round.
@@ -64,7 +64,7 @@ def main() -> int:
         if args.calibration:
             profile = load_profile(args.calibration)
         else:
-            profile = calibrate([2, 4], quick=args.quick_calibration)
+            profile = calibrate([2, 3, 4], quick=args.quick_calibration)
             write_profile(profile, Path(tmp) / "calibration.toml")
         db = Path(tmp) / "bench.db"
         rows = []

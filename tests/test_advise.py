@@ -125,3 +125,15 @@ def test_text_output_explains(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     assert "recommendation: ddp" in out and "Bandwidth:" in out and "Memory:" in out
+
+
+def test_advise_on_this_machine_from_its_calibration(capsys, tmp_path, monkeypatch):
+    from ddlscope.calibrate import write_profile
+
+    from test_predict_cli import LOCAL_PROFILE
+
+    monkeypatch.chdir(tmp_path)
+    write_profile(LOCAL_PROFILE, tmp_path / "ddlscope-calibration.toml")
+    result = advise_json(capsys, *GPT_SMALL, "--cluster", "local:1x2", "--db", str(tmp_path / "x.db"))
+    assert result["cluster"] == "local:1x2" and result["workers"] == 2
+    assert all(s["cost_usd_per_step"] == 0.0 for s in result["strategies"])  # no price for this machine

@@ -311,10 +311,12 @@ def _memory(profile: WorkloadProfile, strategy: str, n: int, bucket_mb: float) -
     return p * 2 * wb + act, p * (wb + ob)  # PS: workers hold weights + grads; the server the optimizer
 
 
-def advise(exp: Experiment, cluster_text: str, stragglers: float = 1.0, db: Path | None = None,
+def advise(exp: Experiment, cluster: Cluster | str, stragglers: float = 1.0, db: Path | None = None,
            profile: WorkloadProfile | None = None) -> Advice:
-    """Rank the six strategies for `exp` on `cluster_text`; see the module docstring."""
-    cluster = parse_cluster(cluster_text)
+    """Rank the six strategies for `exp` on `cluster` (a Cluster, or a catalogue cluster string);
+    see the module docstring."""
+    if isinstance(cluster, str):
+        cluster = parse_cluster(cluster)
     if not (stragglers >= 1.0) or math.isinf(stragglers):
         raise ConfigError(f"--stragglers = {stragglers}: must be a finite number >= 1 (1 = no straggler)")
     n = cluster.n_gpus

@@ -27,8 +27,8 @@ def register(app: typer.Typer) -> None:
 
 def advise_command(
     config: Annotated[Optional[Path], typer.Argument(help="TOML experiment file (as for `ddlscope run`).")] = None,
-    cluster: Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:4x8; "
-                                                   "workers = its GPUs.")] = None,
+    cluster: Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:4x8 "
+                                                   "(local:1xN: this machine as calibrated); workers = its GPUs.")] = None,
     stragglers: Annotated[float, typer.Option("--stragglers", help="One worker this many times slower (1 = none).")] = 1.0,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps of the experiment.")] = None,
@@ -36,15 +36,18 @@ def advise_command(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value (repeatable).")] = None,
     db: Annotated[Path, typer.Option("--db", help="SQLite store with local runs (for the staleness penalty).")] = Path("ddlscope.db"),
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    calibration: Annotated[Optional[Path], typer.Option(
+        "--calibration", help="For a local:1xN cluster: profile TOML from `ddlscope calibrate` "
+                              "(default: the newest in the store, else ./ddlscope-calibration.toml).")] = None,
 ) -> None:
     """Rank ddp, fsdp, ps-sync, ps-async, ssp and ps-stale-aware for an experiment on a GPU cluster, and explain."""
     from ddlscope.advise import advise
-    from ddlscope.predict.catalogue import parse_cluster
+    from ddlscope.cli_predict import cluster_from_text
     from ddlscope.runtime.config import load_experiment, parse_override
 
     if not cluster:
         raise ConfigError("--cluster is required, e.g. --cluster a100-80gb:4x8")
-    the_cluster = parse_cluster(cluster)  # fail fast, before building anything
+    the_cluster = cluster_from_text(cluster, calibration, db)  # fail fast, before building anything
     overrides: dict[str, Any] = {}
     for key, value in (("workload.name", workload), ("workload.steps", steps), ("workload.batch_size", batch_size)):
         if value is not None:
@@ -55,7 +58,7 @@ def advise_command(
     # The local cluster section describes `ddlscope run`'s ranks, not the target cluster: keep it out of the way.
     overrides.setdefault("cluster.world_size", 1)
     exp = load_experiment(config, overrides)
-    result = advise(exp, str(the_cluster), stragglers=stragglers, db=db)
+    result = advise(exp, the_cluster, stragglers=stragglers, db=db)
     if as_json:
         print(json.dumps(result.to_dict(), default=str))
         return

@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def calibrate(
-        world_sizes: Annotated[str, typer.Option("--world-sizes", help="Comma-separated world sizes to measure.")] = "2,4",
+        world_sizes: Annotated[str, typer.Option("--world-sizes", help="Comma-separated world sizes to measure (3: a parameter server with two workers).")] = "2,3,4",
         quick: Annotated[bool, typer.Option("--quick", help="Fewer sizes and repeats (seconds instead of a minute).")] = False,
         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Profile TOML to write.")] = None,
         db: Annotated[Path, typer.Option("--db", help="Store that keeps the profile too (predict-run reads the newest).")] = Path("ddlscope.db"),

@@ -136,7 +136,7 @@ def predict_command(
     parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
                            sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule)
-    the_cluster = _cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
+    the_cluster = cluster_from_text(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
                            calibration, db)
     spec = _model_spec(model_raw)
     parallel = _parallel_spec(parallel_raw, the_cluster.n_gpus)
@@ -184,7 +184,7 @@ def plan_command(
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
     if max_micro_batch < 1:
         raise ConfigError(f"--max-micro-batch = {max_micro_batch}: must be >= 1")
-    the_cluster = _cluster(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
+    the_cluster = cluster_from_text(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
                            calibration, db)
     spec = _model_spec(model_raw)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
@@ -199,7 +199,7 @@ def plan_command(
 
 
 # ---------------------------------------------------------------------------- input
-def _cluster(text: str, calibration: Optional[Path], db: Path):
+def cluster_from_text(text: str, calibration: Optional[Path], db: Path):
     """A catalogue cluster, or `local:1xN` from this machine's calibration."""
     from ddlscope.predict.catalogue import LOCAL, cluster_name, parse_cluster
 

@@ -265,7 +265,10 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     op_s = float(compute["op_overhead_s"])
     mem_bw = float(compute["memory_bandwidth_bytes_per_s"])
     alone_s = facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw
-    stretch, sync_overhead_s = sync_at(machine_probe(profile, "sync", world), alone_s)
+    # The workers compute side by side (servers sleep in recv meanwhile); every process of the
+    # run, servers too, meets at a step's synchronisation.
+    stretch = sync_at(machine_probe(profile, "sync", world), alone_s)[0]
+    sync_overhead_s = sync_at(machine_probe(profile, "sync", world + servers), alone_s)[1]
     compute_s = alone_s * stretch
     forward_s, backward_s = compute_s / 3, 2 * compute_s / 3
 
