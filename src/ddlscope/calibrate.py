@@ -453,7 +453,11 @@ def _incast_probe(repeats: int, quick: bool) -> dict[str, Any]:
 
 
 def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
-    """Median forward + backward of the probe model wrapped minus unwrapped, the slowest rank's."""
+    """Median forward + backward of the probe model wrapped minus unwrapped, the slowest rank's.
+
+    The two are stepped alternately, so that a change in what else the machine is doing lands on
+    both sides of the difference rather than on one.
+    """
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -463,22 +467,21 @@ def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
         return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(PROBE_BLOCKS)])
 
     x = torch.randn(PROBE_BATCH, width)
+    plain, wrapped = build(), wrap(build())
+    dist.barrier()
 
     def step_s(model: nn.Module) -> float:
-        for _ in range(2):
-            model(x).sum().backward()
-        samples = []
-        for _ in range(max(6, 2 * repeats)):
-            t0 = time.perf_counter()
-            model(x).sum().backward()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        return time.perf_counter() - t0
 
-    plain_s = step_s(build())
-    wrapped = wrap(build())
-    dist.barrier()
-    wrapped_s = step_s(wrapped)
-    both = torch.tensor([plain_s, wrapped_s], dtype=torch.float64)
+    for _ in range(2):
+        step_s(plain), step_s(wrapped)
+    plain_s, wrapped_s = [], []
+    for _ in range(max(8, 4 * repeats)):
+        plain_s.append(step_s(plain))
+        wrapped_s.append(step_s(wrapped))
+    both = torch.tensor([statistics.median(plain_s), statistics.median(wrapped_s)], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return max(float(both[1]) - float(both[0]), 0.0)
 
