@@ -42,8 +42,9 @@ Per step and rank:
   makes (server_apply_passes).
 - synchronisation: a rank that finishes its compute waits for the slowest and
   for gloo's threads to wake: the calibrated `sync_overhead_s` per step for
-  ps-sync, and for ddp/fsdp when the profile has no probe of theirs (their
-  probes time whole steps, that wait included).
+  the parameter servers (every worker blocks on its server's answer each
+  step, async ones too), and for ddp/fsdp when the profile has no probe of
+  theirs (their probes time whole steps, that wait included).
 - optimizer: 3 passes over the parameters at memory bandwidth plus per-tensor
   op overheads (none on PS workers: the server steps).
 - model states per rank: parameters / gradients / optimizer bytes (ddp
@@ -282,9 +283,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
 
     comm_s = 0.0
     # The DDP and FSDP probes time whole steps, each rank's wait for the others included; the
-    # synchronisation probe is for what has no probe of its own.
-    meets_every_step = strategy == "ps-sync" or (strategy in ("ddp", "fsdp")
-                                                 and not machine_probe(profile, strategy, world))
+    # synchronisation probe is for what has no probe of its own. Every PS worker blocks on its
+    # server's answer each step (async ones too), and the server on the workers' pushes.
+    meets_every_step = is_ps or (strategy in ("ddp", "fsdp") and not machine_probe(profile, strategy, world))
     if strategy == "ddp":
         comm_s = _ddp_comm_s(config, param_bytes, profile, world, link)
     elif strategy == "fsdp":
