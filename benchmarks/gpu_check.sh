@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One prepared check for a session that is lent a GPU (the device tool; 15 minutes in all).
+#
+# What it does, in this order, each step allowed to fail without stopping the rest:
+#   1. the environment: torch, CUDA, the GPU's name
+#   2. the tests that touch CUDA-aware code paths (device choice, FSDP mixed precision, memory stats)
+#   3. one rank of ddp and of fsdp on the GPU (NCCL, CUDA memory stats): gpt-synthetic, h 1024,
+#      8 layers, 16 heads, seq 512 (HIDDEN, LAYERS, HEADS, SEQ), batch 16, 20 steps; the summaries as JSON
+#   4. `ddlscope predict` of the same shape on h200:1x1 (fp32: the runs do not use mixed precision),
+#      beside the measured step time
+#
+# On the device machine (python3 there holds a CUDA torch; pydantic may have to travel as wheels
+# in .whl, see the device tool's README):
+#     bash benchmarks/gpu_check.sh            # results under $OUT
+# Here, to check the script itself on the CPU (a small shape: the GPU's takes a minute a step here):
+#     DEVICE=cpu PY=.venv/bin/python HIDDEN=128 LAYERS=2 HEADS=4 SEQ=64 STEPS=4 bash benchmarks/gpu_check.sh
+set -uo pipefail
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+OUT=${OUT:-$(mktemp -d)}
+STEPS=${STEPS:-20}
+HIDDEN=${HIDDEN:-1024} LAYERS=${LAYERS:-8} HEADS=${HEADS:-16} SEQ=${SEQ:-512}
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+echo "== 1. environment"
+"$PY" -c 'import torch; ok = torch.cuda.is_available(); print("torch", torch.__version__, "cuda", ok, torch.cuda.get_device_name(0) if ok else "-")'
+
+echo "== 2. tests with CUDA-aware paths"
+timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_fsdp.py tests/test_flops.py 2>&1 | tail -5
+
+echo "== 3. one rank of ddp and fsdp on $DEVICE"
+SHAPE=(--set workload.hidden="$HIDDEN" --set workload.layers="$LAYERS" --set workload.heads="$HEADS" --set workload.seq_len="$SEQ")
+for strategy in ddp fsdp; do
+    timeout 240 "$PY" -m ddlscope run -w gpt-synthetic -s "$strategy" -n 1 --steps "$STEPS" --batch-size 16 \
+        --set cluster.device="$DEVICE" "${SHAPE[@]}" --db "$OUT/gpu.db" --json -q > "$OUT/$strategy.json" \
+        || echo "$strategy run failed"
+    "$PY" - "$OUT/$strategy.json" <<'EOF'
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    sys.exit(0)
+mem = s.get("memory_bytes_by_rank", {}).get("0", {})
+print(f"{sys.argv[1]}: step {s['mean_step_s'] * 1e3:.2f} ms, MFU {s.get('mfu')}, breakdown (ms) "
+      f"{ {k: round(v * 1e3, 2) for k, v in s['breakdown_mean_s'].items()} }, memory {mem}")
+EOF
+done
+
+echo "== 4. predicted for the same shape on h200:1x1 (fp32)"
+"$PY" -m ddlscope predict --cluster h200:1x1 --model gpt --hidden "$HIDDEN" --heads "$HEADS" --layers "$LAYERS" --seq "$SEQ" \
+    --vocab 256 --global-batch 16 --micro-batch 16 --dp 1 --dtype fp32 --attention flash --json > "$OUT/predicted.json"
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+out = sys.argv[1]
+p = json.load(open(f"{out}/predicted.json"))
+print(f"predicted step {p['step_time_s'] * 1e3:.2f} ms, MFU {p['mfu']:.3f}, memory {p['memory_gb_per_gpu']:.2f} GB")
+try:
+    m = json.load(open(f"{out}/ddp.json"))
+    print(f"ddp measured {m['mean_step_s'] * 1e3:.2f} ms: error {p['step_time_s'] / m['mean_step_s'] - 1:+.1%}")
+except (OSError, ValueError, KeyError):
+    pass
+EOF
+echo "results in $OUT"
