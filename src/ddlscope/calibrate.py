@@ -307,6 +307,7 @@ def _matmul_block(target_s: float) -> Any:
 
 
 SYNC_PROBE_BLOCKS_S = (0.002, 0.008)
+PROBES = ("sync", "ddp", "fsdp", "ps")  # the profile's sections besides compute and collectives
 
 
 def _sync_probe(repeats: int) -> dict[str, Any]:
@@ -332,21 +333,13 @@ def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     token = torch.zeros(1)
-    alone = []
+    alone_s = 0.0
     for turn in range(world):  # each rank alone in turn: the others wait in the barrier
         dist.barrier()
         if turn == rank:
-            block()
-            for _ in range(max(iterations // 2, 3)):
-                t0 = time.perf_counter()
-                block()
-                alone.append(time.perf_counter() - t0)
+            alone_s = _median_time(block, max(iterations // 2, 3))
     dist.barrier()
-    latency = []
-    for _ in range(iterations):
-        t0 = time.perf_counter()
-        dist.all_reduce(token)
-        latency.append(time.perf_counter() - t0)
+    latency_s = _median_time(lambda: dist.all_reduce(token), iterations)
     together, waits = [], []
     for _ in range(iterations):
         t0 = time.perf_counter()
@@ -355,8 +348,8 @@ def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
         dist.all_reduce(token)
         together.append(t1 - t0)
         waits.append(time.perf_counter() - t1)
-    mine = torch.tensor([statistics.median(alone), statistics.fmean(together), statistics.fmean(waits),
-                         statistics.median(latency)], dtype=torch.float64)
+    mine = torch.tensor([alone_s, statistics.fmean(together), statistics.fmean(waits), latency_s],
+                        dtype=torch.float64)
     dist.all_reduce(mine)  # mean over ranks
     alone_s, together_s, wait_s, latency_s = (float(v) / world for v in mine)
     return {"block_alone_s": alone_s, "block_together_s": together_s, "wait_s": wait_s, "latency_s": latency_s}
@@ -488,7 +481,7 @@ def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
 
 def measure_collectives(world_size: int, sizes: list[int], repeats: int, quick: bool = False) -> dict[str, Any]:
     """Start `world_size` gloo ranks through the elastic launcher: every collective (median and fastest
-    repeat per size), the synchronisation probe and the FSDP per-unit probe."""
+    repeat per size) and the PROBES (synchronisation, DDP, FSDP, a parameter server's round)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ddlscope.runtime.launcher import _quiet_torch_logging, free_port
@@ -525,7 +518,7 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
         "compute": measure_compute(quick),
         "collectives": {},
     }
-    profile["sync"], profile["ddp"], profile["fsdp"], profile["ps"] = {}, {}, {}, {}
+    profile.update({probe: {} for probe in PROBES})
     for ws in world_sizes:
         measured = measure_collectives(ws, sizes, repeats, quick)
         entry: dict[str, Any] = {}
@@ -535,10 +528,8 @@ def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
             entry[op] = {**fit_alpha_beta(payload, typical), "sizes": payload, "seconds": typical,
                          "fastest": {**fit_alpha_beta(payload, fastest), "seconds": fastest}}
         profile["collectives"][f"ws{ws}"] = entry
-        profile["sync"][f"ws{ws}"] = measured["sync"]
-        profile["ddp"][f"ws{ws}"] = measured["ddp"]
-        profile["fsdp"][f"ws{ws}"] = measured["fsdp"]
-        profile["ps"][f"ws{ws}"] = measured["ps"]
+        for probe in PROBES:
+            profile[probe][f"ws{ws}"] = measured[probe]
     return profile
 
 

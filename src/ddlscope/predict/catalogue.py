@@ -271,11 +271,13 @@ def local_cluster(profile: dict[str, Any], nodes: int, ranks: int) -> Cluster:
 
 
 def _loopback_link(profile: dict[str, Any], ranks: int) -> Link:
+    from ddlscope.predict.local import nearest_world
+
     tables = profile.get("collectives") or {}
     if not tables:
         raise ConfigError("the calibration has no collective measurements: rerun `ddlscope calibrate`")
-    world = min((int(k.removeprefix("ws")) for k in tables), key=lambda w: (abs(w - ranks), -w))
-    fit = tables[f"ws{world}"]["all_reduce"]
+    key = nearest_world(tables, ranks)
+    world, fit = int(key.removeprefix("ws")), tables[key]["all_reduce"]
     steps = 2 * (world - 1)
     return Link(key="gloo-loopback", description=f"gloo on loopback (calibrated at {world} ranks)",
                 bandwidth_bytes_per_s=float(fit["beta_bytes_per_s"]) * steps / world,

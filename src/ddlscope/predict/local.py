@@ -57,6 +57,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ddlscope.specs import ConfigError
 
 WIRE_FACTORS = {  # the same forms as ddlscope.strategies.comm.WIRE_FACTORS (which imports torch)
@@ -77,7 +79,8 @@ def _optimizer_kind(facts: dict[str, Any]) -> str:
     return "sgd-momentum" if facts.get("momentum", 0.0) > 0 else "sgd"
 
 
-def _nearest_world(tables: dict[str, Any], ranks: int) -> str:
+def nearest_world(tables: dict[str, Any], ranks: int) -> str:
+    """The key ("wsN") of the calibrated world size nearest `ranks` (the larger on a tie)."""
     sizes = sorted(int(k.removeprefix("ws")) for k in tables)
     return f"ws{min(sizes, key=lambda s: (abs(s - ranks), -s))}"
 
@@ -89,7 +92,7 @@ def collective_fit(profile: dict[str, Any], kind: str, ranks: int) -> dict[str, 
         raise ConfigError("the calibration has no collective measurements")
     if kind == "p2p" and "ws2" in tables:
         ranks = 2
-    return tables[_nearest_world(tables, ranks)][kind]
+    return tables[nearest_world(tables, ranks)][kind]
 
 
 def measured_message_s(fit: dict[str, Any], payload_bytes: float) -> float:
@@ -108,27 +111,26 @@ def measured_message_s(fit: dict[str, Any], payload_bytes: float) -> float:
         return float(seconds[0])
     if payload_bytes >= sizes[-1]:
         return float(seconds[-1]) + (payload_bytes - sizes[-1]) / beta
-    for (s0, t0), (s1, t1) in zip(zip(sizes, seconds), zip(sizes[1:], seconds[1:])):
-        if s0 <= payload_bytes <= s1:
-            w = (math.log(payload_bytes) - math.log(max(s0, 1))) / (math.log(s1) - math.log(max(s0, 1)))
-            return float(math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0))))
-    return alpha + payload_bytes / beta
+    return float(np.exp(np.interp(np.log(payload_bytes), np.log(sizes), np.log(seconds))))
+
+
+def emulated_s(link: tuple[float, float], kind: str, payload_bytes: float, ranks: int) -> float:
+    """What the emulated link makes one message wait: its alpha + wire bytes / bandwidth (LinkModel)."""
+    wire = payload_bytes * WIRE_FACTORS[kind](max(ranks, 1)) if ranks > 1 or kind == "p2p" else 0.0
+    return link[0] + wire / link[1]
 
 
 def message_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: int,
               link: tuple[float, float] | None) -> float:
     """One message's time: calibrated gloo time, or the emulated link's if that is longer."""
     measured = measured_message_s(collective_fit(profile, kind, ranks), payload_bytes)
-    if link is None:
-        return measured
-    wire = payload_bytes * WIRE_FACTORS[kind](max(ranks, 1)) if ranks > 1 or kind == "p2p" else 0.0
-    return max(measured, link[0] + wire / link[1])
+    return measured if link is None else max(measured, emulated_s(link, kind, payload_bytes, ranks))
 
 
 def machine_probe(profile: dict[str, Any], section: str, ranks: int) -> dict[str, Any]:
-    """The calibrated sync/fsdp probe at `ranks` (nearest world size), {} for an older profile."""
+    """A calibrated probe (sync, ddp, fsdp) at `ranks` (the nearest world size), {} for an older profile."""
     tables = profile.get(section) or {}
-    return tables[_nearest_world(tables, ranks)] if tables else {}
+    return tables[nearest_world(tables, ranks)] if tables else {}
 
 
 def sync_at(sync: dict[str, Any], alone_s: float) -> tuple[float, float]:
@@ -137,8 +139,6 @@ def sync_at(sync: dict[str, Any], alone_s: float) -> tuple[float, float]:
     if not sync:
         return 1.0, 0.0
     blocks, stretch, overhead = sync["block_alone_s"], sync["compute_stretch"], sync["sync_overhead_s"]
-    if not isinstance(blocks, list):  # one block length
-        return float(stretch), float(overhead)
     w = min(max((alone_s - blocks[0]) / max(blocks[1] - blocks[0], 1e-12), 0.0), 1.0)
     return (float(stretch[0] + w * (stretch[1] - stretch[0])), float(overhead[0] + w * (overhead[1] - overhead[0])))
 
@@ -221,7 +221,7 @@ def ps_round_s(profile: dict[str, Any], workers: int, payload_bytes: float,
         measured = 2 * workers * one_way
     if link is None:
         return measured
-    return max(measured, 2 * workers * (link[0] + payload_bytes / link[1]))
+    return max(measured, 2 * workers * emulated_s(link, "p2p", payload_bytes, 2))
 
 
 def server_apply_passes(strategy: str, workers: int, opt_kind: str) -> float:
@@ -344,15 +344,14 @@ def _ddp_comm_s(config: dict[str, Any], param_bytes: float, profile: dict[str, A
     # ddlscope passes bucket_cap_mb explicitly, so torch does not use its 1 MiB first bucket.
     bucket = float(config["strategy"].get("bucket_mb", 25.0)) * 2**20
     buckets = max(1, math.ceil(param_bytes / bucket))
-    messages_s = sum(message_s(profile, "all_reduce", param_bytes / buckets, world, link) for _ in range(buckets))
     probe = machine_probe(profile, "ddp", world)
     if not probe:
-        return messages_s
+        return buckets * message_s(profile, "all_reduce", param_bytes / buckets, world, link)
     machine_s = interpolate_linear(probe["model_bytes"], probe["overhead_s"], param_bytes)
     if link is None:
         return machine_s
-    wire = param_bytes / buckets * WIRE_FACTORS["all_reduce"](world)
-    return max(machine_s, float(probe["overhead_s"][0]) + buckets * (link[0] + wire / link[1]))
+    return max(machine_s, float(probe["overhead_s"][0])
+               + buckets * emulated_s(link, "all_reduce", param_bytes / buckets, world))
 
 
 def _fsdp_comm_s(config: dict[str, Any], facts: dict[str, Any], profile: dict[str, Any], world: int,
@@ -370,17 +369,16 @@ def _fsdp_comm_s(config: dict[str, Any], facts: dict[str, Any], profile: dict[st
     comm_s = 0.0
     for i, unit in enumerate(units):
         gathers = 1 if (i == len(units) - 1 and len(units) > 1) or not reshard else 2
-        messages_s = (gathers * message_s(profile, "all_gather", unit / world, world, link)
-                      + message_s(profile, "reduce_scatter", unit, world, link))
         if not probe:
-            comm_s += messages_s
+            comm_s += (gathers * message_s(profile, "all_gather", unit / world, world, link)
+                       + message_s(profile, "reduce_scatter", unit, world, link))
             continue
         machine_s = interpolate_linear(probe["unit_bytes"], probe["unit_overhead_s"], unit)
         if link is None:
             comm_s += machine_s
             continue
-        link_s = (gathers * (link[0] + unit / world * WIRE_FACTORS["all_gather"](world) / link[1])
-                  + link[0] + unit * WIRE_FACTORS["reduce_scatter"](world) / link[1])
+        link_s = (gathers * emulated_s(link, "all_gather", unit / world, world)
+                  + emulated_s(link, "reduce_scatter", unit, world))
         # the emulated link waits out its own time; the machine's fixed cost (the smallest unit's) remains
         comm_s += max(machine_s, float(probe["unit_overhead_s"][0]) + link_s)
     return comm_s
