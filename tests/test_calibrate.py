@@ -119,6 +119,11 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     assert all(t > 0 for t in fsdp["unit_overhead_s"])  # fully_shard costs something per unit
     ddp = profile["ddp"]["ws2"]
     assert ddp["model_bytes"][1] > ddp["model_bytes"][0] and all(t > 0 for t in ddp["overhead_s"])
+    ps = profile["ps"]["ws2"]  # one worker and its server
+    assert ps["workers"] == 1 and len(ps["round_s"]) == len(ps["bytes"]) == 2 and all(t > 0 for t in ps["round_s"])
+    assert ps["block_alone_s"][1] > ps["block_alone_s"][0] > 0
+    assert len(ps["busy_round_s"]) == 2 and all(len(r) == 2 and min(r) > 0 for r in ps["busy_round_s"])
+    assert all(0.5 < busy / alone < 3 for busy, alone in zip(ps["busy_block_s"], ps["block_alone_s"]))
 
 
 def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, monkeypatch):

@@ -180,3 +180,20 @@ def test_parameter_server_round_from_the_transport_probe():
     sync = predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, probed)
     plain = predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, PROFILE)
     assert sync["breakdown_s"]["comm_wait_s"] != plain["breakdown_s"]["comm_wait_s"]
+
+
+def test_parameter_server_round_and_stretch_with_compute_between_rounds():
+    from ddlscope.predict.local import ps_compute_stretch, ps_round_s
+
+    probe = {"workers": 2, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3], "block_alone_s": [2e-3, 8e-3],
+             "busy_round_s": [[2e-4, 2e-3], [4e-4, 4e-3]], "busy_block_s": [2.2e-3, 8.4e-3]}
+    probed = {**PROFILE, "ps": {"ws3": probe}}
+    assert ps_round_s(probed, 2, 1e6, None) == pytest.approx(1e-3)  # no compute given: back to back
+    assert ps_round_s(probed, 2, 1e6, None, 1e-3) == pytest.approx(1.5e-3)  # halfway to the first block
+    assert ps_round_s(probed, 2, 1e6, None, 5e-3) == pytest.approx(3e-3)  # between the two blocks
+    assert ps_round_s(probed, 2, 1e6, None, 0.1) == pytest.approx(4e-3)  # held beyond the longer block
+    assert ps_compute_stretch(probed, 2, 2e-3) == pytest.approx(1.1)
+    assert ps_compute_stretch(probed, 2, 0.1) == pytest.approx(1.05)
+    assert ps_compute_stretch(PROFILE, 2, 2e-3) is None  # an older profile: the synchronisation probe's
+    # With the probe, a PS worker's wait for the others is inside its rounds: no separate sync overhead.
+    assert predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, probed)["sync_overhead_s"] == 0.0

@@ -160,8 +160,10 @@ def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
         except RuntimeError:
             pass
         op_s, optimizer_tensor_s = measure_overheads(quick)
-        big = torch.empty(64 << 18)  # 64 MiB of fp32
-        dst = torch.empty_like(big)
+        # 64 MiB of fp32, written first: the pages of a never-written tensor all map the kernel's one
+        # zero page, whose reads hit the cache, which made this read 17-30 GB/s where it is ~13 here.
+        big = torch.ones(64 << 18)
+        dst = torch.zeros_like(big)
         copy_s = _median_time(lambda: dst.copy_(big), 3 if quick else 7)
     finally:
         torch.set_num_threads(previous)
@@ -327,18 +329,26 @@ def _sync_probe(repeats: int) -> dict[str, Any]:
     return {**probe, "compute_stretch": stretch, "sync_overhead_s": overhead}
 
 
+def _alone_s(block: Any, repeats: int) -> float:
+    """Median time of `block` on this rank with every other rank parked in a barrier (each in turn)."""
+    import torch.distributed as dist
+
+    alone_s = 0.0
+    for turn in range(dist.get_world_size()):
+        dist.barrier()
+        if turn == dist.get_rank():
+            alone_s = _median_time(block, repeats)
+    dist.barrier()
+    return alone_s
+
+
 def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     token = torch.zeros(1)
-    alone_s = 0.0
-    for turn in range(world):  # each rank alone in turn: the others wait in the barrier
-        dist.barrier()
-        if turn == rank:
-            alone_s = _median_time(block, max(iterations // 2, 3))
-    dist.barrier()
+    alone_s = _alone_s(block, max(iterations // 2, 3))
     latency_s = _median_time(lambda: dist.all_reduce(token), iterations)
     together, waits = [], []
     for _ in range(iterations):
@@ -404,45 +414,87 @@ def _incast_probe(repeats: int, quick: bool) -> dict[str, Any]:
     header and `size` bytes to the last rank, which takes them in arrival order and answers each with
     a header and `size` bytes (the messages, tags and order of strategies/ps.py and
     runtime/ps_server.py, without the update). The round's time as the workers see it, per size:
-    many senders to one receiver on shared cores, which two-rank ping-pong does not show."""
+    many senders to one receiver on shared cores, which two-rank ping-pong does not show.
+
+    Measured three ways: rounds back to back (`round_s`), and with each worker computing a block of
+    matmuls (SYNC_PROBE_BLOCKS_S) before its push (`busy_round_s`, one list per block, and the
+    block's time inside that loop, `busy_block_s`, against `block_alone_s`). A worker's push then
+    meets the other workers' compute: on shared cores the server's receiving and answering take
+    cores from it, and its rounds and its compute both stretch. Only the loop with compute is how a
+    training step sees the exchange.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    sizes = QUICK_INCAST_SIZES if quick else INCAST_SIZES
+    rounds = max(6, 2 * repeats)
+    idle_round_s = _mean_over_workers([_incast_rounds(size, None, rounds)[0] for size in sizes])
+    blocks = [_matmul_block(target) for target in SYNC_PROBE_BLOCKS_S]
+    block_alone_s = _mean_over_workers([_alone_s(block, max(rounds // 2, 3)) for block in blocks])
+    busy_round_s, busy_block_s = [], []
+    for block in blocks:
+        measured = [_incast_rounds(size, block, rounds) for size in sizes]
+        busy_round_s.append(_mean_over_workers([round_s for round_s, _ in measured]))
+        busy_block_s.append(statistics.fmean(_mean_over_workers([block_s for _, block_s in measured])))
+    return {"workers": world - 1, "bytes": list(sizes), "round_s": idle_round_s, "block_alone_s": block_alone_s,
+            "busy_round_s": busy_round_s, "busy_block_s": busy_block_s}
+
+
+def _mean_over_workers(values: list[float]) -> list[float]:
+    """Each value's mean over the workers (every rank but the last, the server)."""
+    import torch
+    import torch.distributed as dist
+
+    is_worker = dist.get_rank() < dist.get_world_size() - 1
+    mine = torch.tensor(values if is_worker else [0.0] * len(values), dtype=torch.float64)
+    dist.all_reduce(mine)
+    return [float(v) / (dist.get_world_size() - 1) for v in mine]
+
+
+def _incast_rounds(size: int, block: Any, rounds: int) -> tuple[float, float]:
+    """(round, block) seconds, medians on a worker ((0, 0) on the server), of `rounds` rounds at
+    `size` bytes with `block` (None: nothing) computed by every worker before its push."""
     import torch
     import torch.distributed as dist
 
     from ddlscope.strategies.ps import DATA_TAG, HEADER_TAG, PUSH_HEADER, REPLY_HEADER
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    server, workers = world - 1, world - 1
-    sizes, round_s = [], []
-    for size in QUICK_INCAST_SIZES if quick else INCAST_SIZES:
-        data = torch.ones(size // 4)
-        header, reply = torch.zeros(PUSH_HEADER, dtype=torch.int64), torch.zeros(REPLY_HEADER, dtype=torch.int64)
-        samples = []
-        for i in range(max(6, 2 * repeats) + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == server:
-                sources = []
-                for _ in range(workers):
-                    source = dist.recv(header, src=None, tag=HEADER_TAG)
-                    dist.recv(data, src=source, tag=DATA_TAG)
-                    sources.append(source)
-                sends = []
-                for source in sources:
-                    sends += [dist.isend(reply, source, tag=HEADER_TAG), dist.isend(data, source, tag=DATA_TAG)]
-                for work in sends:
-                    work.wait()
-            else:
-                pending = [dist.isend(header, server, tag=HEADER_TAG), dist.isend(data, server, tag=DATA_TAG),
-                           dist.irecv(reply, server, tag=HEADER_TAG), dist.irecv(data, server, tag=DATA_TAG)]
-                for work in pending:
-                    work.wait()
-            if i:  # the first round warms up
-                samples.append(time.perf_counter() - t0)
-        mine = torch.tensor([statistics.median(samples) if rank != server else 0.0], dtype=torch.float64)
-        dist.all_reduce(mine)
-        sizes.append(size)
-        round_s.append(float(mine) / workers)  # mean over the workers
-    return {"workers": workers, "bytes": sizes, "round_s": round_s}
+    server = world - 1
+    data = torch.ones(size // 4)
+    header, reply = torch.zeros(PUSH_HEADER, dtype=torch.int64), torch.zeros(REPLY_HEADER, dtype=torch.int64)
+    round_s, block_s = [], []
+    dist.barrier()
+    for i in range(rounds + 1):
+        if block is None:
+            dist.barrier()  # back to back: every round starts together
+        if rank == server:
+            sources = []
+            for _ in range(world - 1):
+                source = dist.recv(header, src=None, tag=HEADER_TAG)
+                dist.recv(data, src=source, tag=DATA_TAG)
+                sources.append(source)
+            sends = []
+            for source in sources:
+                sends += [dist.isend(reply, source, tag=HEADER_TAG), dist.isend(data, source, tag=DATA_TAG)]
+            for work in sends:
+                work.wait()
+            continue
+        t0 = time.perf_counter()
+        if block is not None:
+            block()
+        t1 = time.perf_counter()
+        pending = [dist.isend(header, server, tag=HEADER_TAG), dist.isend(data, server, tag=DATA_TAG),
+                   dist.irecv(reply, server, tag=HEADER_TAG), dist.irecv(data, server, tag=DATA_TAG)]
+        for work in pending:
+            work.wait()
+        if i:  # the first round warms up
+            round_s.append(time.perf_counter() - t1)
+            block_s.append(t1 - t0)
+    if rank == server:
+        return 0.0, 0.0
+    # Mean over the rounds: a step pays the slow rounds as well as the typical one.
+    return statistics.fmean(round_s), statistics.fmean(block_s)
 
 
 def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:

@@ -133,14 +133,19 @@ def machine_probe(profile: dict[str, Any], section: str, ranks: int) -> dict[str
     return tables[nearest_world(tables, ranks)] if tables else {}
 
 
+def between_blocks(blocks: list[float], values: list[float], alone_s: float) -> float:
+    """A probe's value for a step of `alone_s` compute: linear between its block lengths, held at
+    the nearer end outside them."""
+    return interpolate_linear(list(blocks), list(values), min(max(alone_s, blocks[0]), blocks[-1]))
+
+
 def sync_at(sync: dict[str, Any], alone_s: float) -> tuple[float, float]:
     """(compute_stretch, sync_overhead_s) for a step of `alone_s` compute: linear between the probe's
     two block lengths, held at the nearer one outside them; (1, 0) without a probe."""
     if not sync:
         return 1.0, 0.0
-    blocks, stretch, overhead = sync["block_alone_s"], sync["compute_stretch"], sync["sync_overhead_s"]
-    w = min(max((alone_s - blocks[0]) / max(blocks[1] - blocks[0], 1e-12), 0.0), 1.0)
-    return (float(stretch[0] + w * (stretch[1] - stretch[0])), float(overhead[0] + w * (overhead[1] - overhead[0])))
+    blocks = sync["block_alone_s"]
+    return between_blocks(blocks, sync["compute_stretch"], alone_s), between_blocks(blocks, sync["sync_overhead_s"], alone_s)
 
 
 def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
@@ -203,18 +208,18 @@ def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str
 
 
 def ps_round_s(profile: dict[str, Any], workers: int, payload_bytes: float,
-               link: tuple[float, float] | None) -> float:
+               link: tuple[float, float] | None, compute_s: float | None = None) -> float:
     """One server's round: every worker pushes a header and `payload_bytes`, the server answers each.
 
-    From the calibrated transport probe (linear in the workers between the
-    world sizes measured, in the bytes between its sizes), else from the
-    two-rank p2p table, the server taking the messages one at a time; with an
-    emulated link at least its time for every push and answer in turn.
+    From the calibrated transport probe: with the workers computing `compute_s` between rounds where
+    the probe measured that (linear in the compute between no compute and its two block lengths),
+    back to back otherwise; linear in the workers between the world sizes measured, in the bytes
+    between its sizes. Without a probe, from the two-rank p2p table, the server taking the messages
+    one at a time. With an emulated link at least its time for every push and answer in turn.
     """
     probes = profile.get("ps") or {}
     if probes:
-        by_workers = sorted((int(p["workers"]), interpolate_linear(p["bytes"], p["round_s"], payload_bytes))
-                            for p in probes.values())
+        by_workers = sorted((int(p["workers"]), _probed_round_s(p, payload_bytes, compute_s)) for p in probes.values())
         measured = interpolate_linear([w for w, _ in by_workers], [t for _, t in by_workers], workers)
     else:
         one_way = message_s(profile, "p2p", payload_bytes, 2, None) + message_s(profile, "p2p", 0.0, 2, None)
@@ -222,6 +227,24 @@ def ps_round_s(profile: dict[str, Any], workers: int, payload_bytes: float,
     if link is None:
         return measured
     return max(measured, 2 * workers * emulated_s(link, "p2p", payload_bytes, 2))
+
+
+def _probed_round_s(probe: dict[str, Any], payload_bytes: float, compute_s: float | None) -> float:
+    idle_s = interpolate_linear(probe["bytes"], probe["round_s"], payload_bytes)
+    if compute_s is None or "busy_round_s" not in probe:
+        return idle_s
+    rounds = [idle_s] + [interpolate_linear(probe["bytes"], busy, payload_bytes) for busy in probe["busy_round_s"]]
+    return between_blocks([0.0, *probe["block_alone_s"]], rounds, compute_s)
+
+
+def ps_compute_stretch(profile: dict[str, Any], workers: int, alone_s: float) -> float | None:
+    """How much a PS worker's compute stretches beside the others' and the server's exchanges (the
+    transport probe with compute, at the calibrated world size nearest workers + 1); None without."""
+    probe = machine_probe(profile, "ps", workers + 1)
+    if "busy_block_s" not in probe:
+        return None
+    stretch = [busy / alone for busy, alone in zip(probe["busy_block_s"], probe["block_alone_s"])]
+    return between_blocks(probe["block_alone_s"], stretch, alone_s)
 
 
 def server_apply_passes(strategy: str, workers: int, opt_kind: str) -> float:
@@ -270,6 +293,12 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # run, servers too, meets at a step's synchronisation.
     stretch = sync_at(machine_probe(profile, "sync", world), alone_s)[0]
     sync_overhead_s = sync_at(machine_probe(profile, "sync", world + servers), alone_s)[1]
+    # Beside a parameter server the workers' compute also meets the server's transport: the
+    # transport probe with compute measures that stretch, and its rounds include the wait for the
+    # other workers' pushes.
+    ps_stretch = ps_compute_stretch(profile, world, alone_s) if is_ps else None
+    if ps_stretch is not None:
+        stretch = ps_stretch
     compute_s = alone_s * stretch
     forward_s, backward_s = compute_s / 3, 2 * compute_s / 3
 
@@ -285,7 +314,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # The DDP and FSDP probes time whole steps, each rank's wait for the others included; the
     # synchronisation probe is for what has no probe of its own. Every PS worker blocks on its
     # server's answer each step (async ones too), and the server on the workers' pushes.
-    meets_every_step = is_ps or (strategy in ("ddp", "fsdp") and not machine_probe(profile, strategy, world))
+    meets_every_step = ((is_ps and ps_stretch is None)
+                        or (strategy in ("ddp", "fsdp") and not machine_probe(profile, strategy, world)))
     if strategy == "ddp":
         comm_s = _ddp_comm_s(config, param_bytes, profile, world, link)
     elif strategy == "fsdp":
@@ -294,7 +324,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         per_server = param_bytes / servers
         flatten_s = 2 * 2 * param_bytes / mem_bw * stretch  # cat the gradients, copy the answer back
         apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * per_server / mem_bw
-        round_s = ps_round_s(profile, world, per_server, link)
+        round_s = ps_round_s(profile, world, per_server, link, alone_s)
         if strategy == "ps-sync":
             comm_s = round_s + apply_s + flatten_s
         else:
