@@ -139,6 +139,24 @@ def _median_time(fn: Any, repeats: int, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
+# Copies from 64 KiB to 64 MiB: what a memory-bound op moves per second depends on where its data
+# sits (on this 2-core VM ~60-90 GB/s within the 4 MiB L2, ~25-30 GB/s at a few MiB, ~13 GB/s at
+# 128 MiB moved); the step's ops and passes are looked up at their own sizes.
+MEMORY_COPY_BYTES = tuple(1 << p for p in (16, 18, 20, 22, 24, 26))
+
+
+def _copy_rate(copied_bytes: int, repeats: int) -> float:
+    """Bytes read + written per second by a copy of `copied_bytes`, both tensors written first: the
+    pages of a never-written tensor all map the kernel's one zero page, whose reads hit the cache
+    (that read 17-30 GB/s for 64 MiB here, where a real copy moves ~13)."""
+    import torch
+
+    src = torch.ones(copied_bytes // 4)
+    dst = torch.zeros_like(src)
+    inner = max(1, (16 << 20) // copied_bytes)  # each sample moves at least ~32 MiB: well above the clock's grain
+    return 2 * copied_bytes / _median_time(lambda: dst.copy_(src), repeats, inner)
+
+
 def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
     import torch
 
@@ -160,11 +178,10 @@ def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
         except RuntimeError:
             pass
         op_s, optimizer_tensor_s = measure_overheads(quick)
-        # 64 MiB of fp32, written first: the pages of a never-written tensor all map the kernel's one
-        # zero page, whose reads hit the cache, which made this read 17-30 GB/s where it is ~13 here.
-        big = torch.ones(64 << 18)
-        dst = torch.zeros_like(big)
-        copy_s = _median_time(lambda: dst.copy_(big), 3 if quick else 7)
+        memory_curve = {"bytes_moved": [], "bytes_per_s": []}
+        for copied in MEMORY_COPY_BYTES:
+            memory_curve["bytes_moved"].append(2 * copied)
+            memory_curve["bytes_per_s"].append(_copy_rate(copied, 3 if quick else 7))
     finally:
         torch.set_num_threads(previous)
     return {
@@ -175,7 +192,8 @@ def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
         "bf16": bf16,
         "op_overhead_s": op_s,
         "optimizer_tensor_s": optimizer_tensor_s,
-        "memory_bandwidth_bytes_per_s": 2 * big.nbytes / copy_s,
+        "memory_bandwidth_bytes_per_s": memory_curve["bytes_per_s"][-1],
+        "memory_curve": memory_curve,
     }
 
 
@@ -663,11 +681,16 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
             super().__init__()
             self.count = 0
             self.other_bytes = 0
+            self.output_bytes = 0  # the memory of every op's new results
             self.gemm_flops: list[tuple[float, float]] = []  # (flops, effective square size)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             self.count += 1
             out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            self.output_bytes += sum(t.nbytes for t in outs  # views and detaches share an input's memory
+                                     if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)
             name = str(getattr(func, "__name__", func)).split(".")[0]
             mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
             if name in ("mm", "addmm", "bmm") and len(mats) >= 2:
@@ -676,7 +699,6 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
                 m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
                 self.gemm_flops.append((2.0 * batch * m * k * n, (m * k * n) ** (1 / 3)))
             else:  # memory-bound: bytes read and written
-                outs = out if isinstance(out, (tuple, list)) else [out]
                 self.other_bytes += sum(t.nbytes for t in (*args, *outs) if isinstance(t, torch.Tensor))
             return out
 
@@ -687,7 +709,9 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         ops = _Ops()
         with ops:
-            task.loss_fn(model(x), y).backward()
+            loss = task.loss_fn(model(x), y)
+            forward_output_bytes = ops.output_bytes
+            loss.backward()
         model.zero_grad(set_to_none=True)
     params = list(model.parameters())
     units = _block_units(model)
@@ -696,8 +720,11 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
         "flops": int(counter.get_total_flops()),
         "ops": ops.count,
         "gemm_flops": [f for f, _ in ops.gemm_flops],  # per matmul of the step (forward + backward)
-        "gemm_size": [n for _, n in ops.gemm_flops],
-        "other_op_bytes": ops.other_bytes,  # bytes moved by the step's non-matmul ops  # its effective square size (m k n)^(1/3)
+        "gemm_size": [n for _, n in ops.gemm_flops],  # its effective square size (m k n)^(1/3)
+        "other_op_bytes": ops.other_bytes,  # bytes moved by the step's non-matmul ops
+        # What the step keeps touching: weights, their gradients and the forward's results (which the
+        # backward reads back); whether that fits a cache sets the memory-bound ops' rate.
+        "step_footprint_bytes": 2 * sum(p.numel() * p.element_size() for p in params) + forward_output_bytes,
         "param_numel": [p.numel() for p in params],
         "param_dim0": [p.shape[0] if p.dim() else 1 for p in params],
         "param_bytes": sum(p.numel() * p.element_size() for p in params),

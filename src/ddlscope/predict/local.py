@@ -162,6 +162,25 @@ def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
     return float(rates[-1])
 
 
+def memory_s(compute: dict[str, Any], bytes_moved: float, working_set_bytes: float) -> float:
+    """Time to move `bytes_moved` in passes over `working_set_bytes` of data: at the calibrated copy
+    rate of that size (log-log between the sizes measured, held beyond them), so data that stays in
+    a cache moves at the cache's rate; one rate for all sizes with an older profile."""
+    curve = compute.get("memory_curve")
+    if not curve:
+        return bytes_moved / float(compute["memory_bandwidth_bytes_per_s"])
+    rate = np.exp(np.interp(np.log(max(working_set_bytes, 1.0)), np.log(curve["bytes_moved"]),
+                            np.log(curve["bytes_per_s"])))
+    return bytes_moved / float(rate)
+
+
+def other_ops_s(facts: dict[str, Any], compute: dict[str, Any]) -> float:
+    """The step's memory-bound (non-matmul) ops: their bytes at the copy rate of the step's footprint
+    (weights, gradients and the forward's results, which the backward reads back), so a step whose
+    data stays in a cache moves it at the cache's rate."""
+    return memory_s(compute, facts.get("other_op_bytes", 0), facts.get("step_footprint_bytes", math.inf))
+
+
 def gemm_time_s(facts: dict[str, Any], compute: dict[str, Any]) -> float:
     """FLOPs / calibrated FLOP/s: each matmul at the rate of its size, the rest at the matmul peak."""
     gemm_flops, gemm_size = facts.get("gemm_flops", []), facts.get("gemm_size", [])
@@ -287,8 +306,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     notes: list[str] = []
 
     op_s = float(compute["op_overhead_s"])
-    mem_bw = float(compute["memory_bandwidth_bytes_per_s"])
-    alone_s = facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw
+    alone_s = facts["ops"] * op_s + gemm_time_s(facts, compute) + other_ops_s(facts, compute)
     # The workers compute side by side (servers sleep in recv meanwhile); every process of the
     # run, servers too, meets at a step's synchronisation.
     stretch = sync_at(machine_probe(profile, "sync", world), alone_s)[0]
@@ -307,7 +325,11 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     opt_kind = _optimizer_kind(facts)
     local_params = _shard_bytes(facts, world) if strategy == "fsdp" else param_bytes
     per_tensor_s = float(compute.get("optimizer_tensor_s", 2 * op_s)) * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2
-    optimizer_s = (n_tensors * per_tensor_s + (3 + 2 * STATE_TENSORS[opt_kind]) * local_params / mem_bw) * stretch
+    # Passes over the parameters, gradients and optimizer states: the states are last touched a
+    # step ago and have left the caches since (other ranks, the server, gloo's threads ran in
+    # between), so these move at the largest copy's rate; the step's own traffic at its footprint's.
+    pass_s = memory_s(compute, local_params, math.inf)
+    optimizer_s = (n_tensors * per_tensor_s + (3 + 2 * STATE_TENSORS[opt_kind]) * pass_s) * stretch
     zero_grad_s = n_tensors * op_s * stretch
 
     comm_s = 0.0
@@ -322,8 +344,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         comm_s = _fsdp_comm_s(config, facts, profile, world, link, notes)
     elif is_ps:
         per_server = param_bytes / servers
-        flatten_s = 2 * 2 * param_bytes / mem_bw * stretch  # cat the gradients, copy the answer back
-        apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * per_server / mem_bw
+        # cat the gradients, copy the answer back: a read and a write of the model each
+        flatten_s = 2 * memory_s(compute, 2 * param_bytes, facts.get("step_footprint_bytes", math.inf)) * stretch
+        apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * memory_s(compute, per_server, math.inf)
         round_s = ps_round_s(profile, world, per_server, link, alone_s)
         if strategy == "ps-sync":
             comm_s = round_s + apply_s + flatten_s
@@ -335,7 +358,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
             queue_s = max((world - 1) / 2 * service_s, world * service_s - cycle)
             comm_s = service_s + flatten_s + max(queue_s, 0.0)
         optimizer_s = zero_grad_s
-        notes.append("ps: the server link serialises the workers' pushes and pulls")
+        notes.append(f"ps: the server link serialises the workers' pushes and pulls: one round ({world} workers) "
+                     f"{round_s * 1e3:.2f} ms, the server's update {apply_s * 1e3:.2f} ms, "
+                     f"flattening a worker's gradients and parameters {flatten_s * 1e3:.2f} ms")
         if servers > 1:
             notes.append(f"ps: {servers} servers taken to work in parallel, each a round of its shard")
     elif strategy != "single":
