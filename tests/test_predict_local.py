@@ -227,3 +227,18 @@ def test_workload_facts_measure_the_step_footprint():
     assert small["step_footprint_bytes"] > 2 * small["param_bytes"]
     assert large["step_footprint_bytes"] - 2 * large["param_bytes"] > 3 * (small["step_footprint_bytes"] - 2 * small["param_bytes"])
     assert small["other_op_bytes"] > 0
+
+
+def test_block_cyclic_async_exchanges_one_block_a_step():
+    probe = {"workers": 2, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3]}
+    single = {"workers": 1, "bytes": [1e4, 1e6], "round_s": [5e-5, 4e-4]}
+    probed = {**PROFILE, "ps": {"ws2": single, "ws3": probe}}
+    facts = {**FACTS, "param_bytes": 2e6}
+    plain = predict_local(_config("ps-async", 4, servers=2), {}, facts, probed)
+    cyclic = predict_local(_config("ps-async", 4, servers=2, block_cyclic=True), {}, facts, probed)
+    assert cyclic["breakdown_s"]["comm_wait_s"] < plain["breakdown_s"]["comm_wait_s"]  # 2 of 4 workers per server
+    assert any("block-cyclic" in n for n in cyclic["notes"])
+    assert cyclic["breakdown_s"]["forward_s"] == plain["breakdown_s"]["forward_s"]
+    # block_cyclic only means something for ps-async
+    assert predict_local(_config("ps-sync", 4, servers=2, block_cyclic=True), {}, facts, probed) == \
+        predict_local(_config("ps-sync", 4, servers=2), {}, facts, probed)

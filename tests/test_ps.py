@@ -1,5 +1,6 @@
 """Parameter-server family: equivalences and staleness, through the real launcher."""
 
+import math
 import sqlite3
 
 import pytest
@@ -50,3 +51,31 @@ def test_staleness_is_zero_for_sync_and_positive_for_async_under_a_straggler(cli
     assert stats["ps-async"][0] > 0 and stats["ps-async"][1] == 2 * 20
     assert all(s[2] >= 0 and s[3] > 0 for s in stats.values())
     assert server_memory == (2,)  # the server (rank 2) records its own memory in both runs
+
+
+def test_block_cyclic_async_pushes_one_block_per_step(cli, tmp_path):
+    """Block-partitioned async SGD (PAPERS.md item 2): each step a worker pushes and pulls one server's
+    block, so each of two servers takes half of the pushes, each a whole shard, and the model still learns."""
+    assert cli("run", "--strategy", "ps-async", "--world-size", "2", "--steps", str(STEPS), "--quiet", "--json",
+               "--set", "strategy.servers=2", "--set", "strategy.block_cyclic=true", "--set", "workload.momentum=0.9",
+               timeout_s=180).returncode == 0
+    with sqlite3.connect(tmp_path / "ddlscope.db") as conn:
+        per_server = dict(conn.execute("SELECT rank, COUNT(*) FROM updates GROUP BY rank").fetchall())
+        pushed = conn.execute("SELECT DISTINCT rank, bytes FROM updates ORDER BY rank").fetchall()
+        sent = conn.execute("SELECT SUM(bytes_sent) FROM steps WHERE rank = 0").fetchone()[0]
+        losses = [r[0] for r in conn.execute("SELECT loss FROM steps WHERE rank = 0 ORDER BY step")]
+    assert per_server == {2: STEPS, 3: STEPS}  # 2 workers x STEPS pushes, split evenly
+    # rank 0 pushes block 0, 1, 0, 1, ...: one shard a step, never both
+    assert len(pushed) == 2 and sent == sum(b for _, b in pushed) * STEPS // 2
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_block_cyclic_blocks_cycle_over_the_servers():
+    from ddlscope.strategies.ps import PSAsyncSpec
+
+    spec = PSAsyncSpec(servers=3, block_cyclic=True)
+    assert [spec.blocks_pushed(0, step) for step in range(4)] == [[0], [1], [2], [0]]
+    assert spec.blocks_pushed(1, 0) == [1]  # workers start on different blocks
+    assert spec.pushes_per_round(6) == 2 and spec.pushes_per_round(2) == 1  # never scaled up
+    plain = PSAsyncSpec(servers=3)
+    assert plain.blocks_pushed(0, 0) == [0, 1, 2] and plain.pushes_per_round(6) == 6

@@ -347,20 +347,26 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         # cat the gradients, copy the answer back: a read and a write of the model each
         flatten_s = 2 * memory_s(compute, 2 * param_bytes, facts.get("step_footprint_bytes", math.inf)) * stretch
         apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * memory_s(compute, per_server, math.inf)
-        round_s = ps_round_s(profile, world, per_server, link, alone_s)
+        # Block-cyclic async: each step a worker exchanges one block with one server, so a server
+        # hears from workers / servers of them a round (its round as the probe's with that many).
+        block_cyclic = strategy == "ps-async" and bool(config["strategy"].get("block_cyclic", False))
+        clients = max(world / servers, 1.0) if block_cyclic else world
+        round_s = ps_round_s(profile, clients, per_server, link, alone_s)
         if strategy == "ps-sync":
             comm_s = round_s + apply_s + flatten_s
         else:
             # Equal workers arrive together and are served in turn: the mean one waits for half of
             # the others; a saturated server (its work per round longer than a worker's cycle) more.
-            service_s = round_s / world + apply_s
+            service_s = round_s / clients + apply_s
             cycle = forward_s + backward_s + zero_grad_s + flatten_s + service_s
-            queue_s = max((world - 1) / 2 * service_s, world * service_s - cycle)
+            queue_s = max((clients - 1) / 2 * service_s, clients * service_s - cycle)
             comm_s = service_s + flatten_s + max(queue_s, 0.0)
         optimizer_s = zero_grad_s
-        notes.append(f"ps: the server link serialises the workers' pushes and pulls: one round ({world} workers) "
-                     f"{round_s * 1e3:.2f} ms, the server's update {apply_s * 1e3:.2f} ms, "
+        notes.append(f"ps: the server link serialises the workers' pushes and pulls: one round ({clients:g} "
+                     f"workers) {round_s * 1e3:.2f} ms, the server's update {apply_s * 1e3:.2f} ms, "
                      f"flattening a worker's gradients and parameters {flatten_s * 1e3:.2f} ms")
+        if block_cyclic:
+            notes.append(f"ps: block-cyclic: a worker exchanges one of {servers} blocks a step")
         if servers > 1:
             notes.append(f"ps: {servers} servers taken to work in parallel, each a round of its shard")
     elif strategy != "single":

@@ -85,8 +85,10 @@ class _Server:
                 self._step_optimizer(total / len(self.workers))
                 self.round_grads = {}
         else:
-            # One push moves the model 1/workers as far as a synchronous step would.
-            self._step_optimizer(grad * (self.spec.gradient_scale(staleness) / len(self.workers)))
+            # A round of pushes (one per worker, or per worker on this block) moves the model as far
+            # as a synchronous step would.
+            self._step_optimizer(grad * (self.spec.gradient_scale(staleness)
+                                         / self.spec.pushes_per_round(len(self.workers))))
         apply_s, cpu_s = clock() - began, time.thread_time() - cpu_began
         self.busy_cpu_s += cpu_s
         self.writer.write("update", seq=self.seq, t_s=arrival - self.start, worker=worker, worker_step=step,

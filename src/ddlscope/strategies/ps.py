@@ -12,7 +12,10 @@ side, the message layout and each protocol's rules:
   optimizer once, and answers all of them: the same update as DDP.
 - ps-async: every push is applied on arrival (gradient / workers, so a round
   of pushes moves the model as far as one synchronous step) and answered at
-  once.
+  once. With block_cyclic, a worker pushes and pulls one server's block per
+  step, block (worker + step) mod servers (block-partitioned asynchronous SGD
+  with momentum, PAPERS.md item 2): 1/servers of the traffic, and each block
+  hears from workers / servers of them per round.
 - ssp: like async, but a worker that pushed step t gets its answer only when
   every worker has pushed step t - s: nobody runs more than s steps ahead of
   the slowest. s = 0 is synchronous.
@@ -62,6 +65,15 @@ class PSSpec(StrategySpec):
     def gradient_scale(self, staleness: int) -> float:
         return 1.0
 
+    def blocks_pushed(self, worker: int, step: int) -> list[int]:
+        """The servers (indices into the server ranks) a worker pushes to and pulls from at `step`."""
+        return list(range(self.servers))
+
+    def pushes_per_round(self, workers: int) -> float:
+        """Pushes one server takes in a round of one step per worker: an asynchronous push moves the
+        model 1 / this as far as a synchronous step would."""
+        return workers
+
     averages_rounds: ClassVar[bool] = False  # True: one averaged update per round (ps-sync)
 
 
@@ -75,6 +87,17 @@ class PSSyncSpec(PSSpec):
 
 class PSAsyncSpec(PSSpec):
     name: Literal["ps-async"] = "ps-async"
+    block_cyclic: bool = Field(
+        False, description="each step push one server's block of the gradient and pull that block only, "
+                           "block (worker + step) mod servers: 1/servers of the traffic, each block updated "
+                           "asynchronously with the servers' momentum (PAPERS.md item 2)")
+
+    def blocks_pushed(self, worker: int, step: int) -> list[int]:
+        return [(worker + step) % self.servers] if self.block_cyclic else super().blocks_pushed(worker, step)
+
+    def pushes_per_round(self, workers: int) -> float:
+        # A block hears from workers / servers of them per round; never scaled up when fewer.
+        return max(workers / self.servers, 1.0) if self.block_cyclic else workers
 
 
 class SSPSpec(PSSpec):
@@ -125,27 +148,26 @@ class ParameterServer(Strategy):
         params = list(model.parameters())
         flat_grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         flat_grad = flat_grad.to("cpu", torch.float32)
+        blocks = self.spec.blocks_pushed(self.ctx.rank, self._step)
         sends, receipts = [], []
-        pending = self.comm.launched(flat_grad.numel() * 4, "p2p")
-        for s, (server, (lo, hi)) in enumerate(zip(self.server_ranks, self._ranges)):
+        pending = self.comm.launched(sum(hi - lo for lo, hi in (self._ranges[s] for s in blocks)) * 4, "p2p")
+        for s in blocks:
+            server, (lo, hi) = self.server_ranks[s], self._ranges[s]
             header = torch.tensor([PUSH, self._step, self._versions[s]], dtype=torch.int64)
             sends.append(dist.isend(header, server, tag=HEADER_TAG))
             sends.append(dist.isend(flat_grad[lo:hi].contiguous(), server, tag=DATA_TAG))
             reply_header = torch.empty(REPLY_HEADER, dtype=torch.int64)
             shard = torch.empty(hi - lo, dtype=torch.float32)
-            receipts.append((reply_header, shard, dist.irecv(reply_header, server, tag=HEADER_TAG),
+            receipts.append((s, reply_header, shard, dist.irecv(reply_header, server, tag=HEADER_TAG),
                              dist.irecv(shard, server, tag=DATA_TAG)))
         for work in sends:
             work.wait()
-        flat_params = torch.empty(flat_grad.numel(), dtype=torch.float32)
-        for s, (reply_header, shard, header_work, shard_work) in enumerate(receipts):
+        for s, reply_header, shard, header_work, shard_work in receipts:
             header_work.wait()
             shard_work.wait()
             self._versions[s] = int(reply_header[0])
-            lo, hi = self._ranges[s]
-            flat_params[lo:hi] = shard
+            _write_range(params, self._ranges[s][0], shard)
         self.comm.completed(pending)
-        _write_flat(params, flat_params)
         self._step += 1
 
     def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -163,11 +185,14 @@ class ParameterServer(Strategy):
             dist.send(done, server, tag=HEADER_TAG)
 
 
-def _write_flat(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
+def _write_range(params: list[nn.Parameter], lo: int, values: torch.Tensor) -> None:
+    """Copy `values` into the flattened parameters from element `lo` on (a server's shard)."""
+    hi, offset = lo + values.numel(), 0
     with torch.no_grad():
         for p in params:
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            start, end = max(lo, offset), min(hi, offset + p.numel())
+            if start < end:
+                p.view(-1)[start - offset:end - offset].copy_(values[start - lo:end - lo].to(p.dtype))
             offset += p.numel()
 
 
