@@ -75,6 +75,19 @@ def test_cpu_bound_server_caps_the_update_rate():
     assert any("server-bound" in n for n in weak.notes)
 
 
+def test_block_cyclic_async_moves_a_block_per_update():
+    w = st.image_workload("vgg16", 32, resolution=32)  # bandwidth-bound on the slow cluster
+    servers = st.ServerSpec(servers=4, link_gb_per_s=1.25)
+    plain = st.parameter_server(w, SLOW, "async", servers)
+    cyclic = st.parameter_server(w, SLOW, "async", servers, block_cyclic=True)
+    assert cyclic.comm_s < plain.comm_s and cyclic.samples_per_s > plain.samples_per_s
+    one = st.ServerSpec(servers=1, link_gb_per_s=1.25)  # one block: the same protocol
+    assert st.parameter_server(w, SLOW, "async", one, block_cyclic=True).step_s == pytest.approx(
+        st.parameter_server(w, SLOW, "async", one).step_s)
+    with pytest.raises(ConfigError):
+        st.parameter_server(w, SLOW, "sync", servers, block_cyclic=True)
+
+
 def test_local_sgd_amortizes_and_cocod_hides_the_average():
     w = st.image_workload("vgg16", 32, resolution=32)
     every, rare = st.local_sgd(w, SLOW, period=1), st.local_sgd(w, SLOW, period=16)

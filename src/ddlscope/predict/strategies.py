@@ -210,7 +210,7 @@ class ServerSpec:
 
 def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync", "async", "ssp"] = "sync",
                      server: ServerSpec = ServerSpec(), staleness: int = 3, jitter_cv: float = 0.0,
-                     slowdowns: Sequence[float] | None = None) -> StrategyEstimate:
+                     slowdowns: Sequence[float] | None = None, block_cyclic: bool = False) -> StrategyEstimate:
     """Workers push gradients and pull weights through the servers' links and CPUs.
 
     sync: every step waits for the slowest worker, then all push and pull
@@ -218,18 +218,23 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
     servers cap the total update rate. ssp: async bounded by `staleness`
     steps, so in the long run every worker runs at the slowest one's pace,
     but random jitter is absorbed over a window of staleness + 1 steps.
+    block_cyclic (async only): each update exchanges one server's block
+    (1/servers of the bytes) with that server alone; the servers share the
+    updates, each hearing from workers / servers of them at a time.
     """
     if mode not in ("sync", "async", "ssp"):
         raise ConfigError(f"mode = {mode!r}: allowed: sync, async, ssp")
+    if block_cyclic and mode != "async":
+        raise ConfigError(f"block_cyclic is a ps-async knob, not for mode {mode!r}")
     w = cluster.n_gpus
     c_each = compute_s(workload, cluster) * _slowdowns(w, slowdowns)
     grad_bytes = workload.params * workload.grad_bytes_per_param
     worker_bw = cluster.inter_bytes_per_s_per_gpu if cluster.nodes > 1 else cluster.intra_bytes_per_s
     server_bw, agg = server.link_gb_per_s * 1e9, server.aggregate_gb_per_s * 1e9
 
-    def exchange_s(concurrent: float) -> float:
-        push = coll.ps_push_s(grad_bytes, concurrent, server.servers, server_bw, agg, worker_bw, server.alpha_s)
-        pull = coll.ps_pull_s(grad_bytes, concurrent, server.servers, server_bw, worker_bw, server.alpha_s)
+    def exchange_s(concurrent: float, nbytes: float = grad_bytes, servers: int = server.servers) -> float:
+        push = coll.ps_push_s(nbytes, concurrent, servers, server_bw, agg, worker_bw, server.alpha_s)
+        pull = coll.ps_pull_s(nbytes, concurrent, servers, server_bw, worker_bw, server.alpha_s)
         return float(push + pull)
 
     mem = (workload.params * (workload.state_bytes_per_param - 8.0)  # optimizer moments live on the servers
@@ -240,9 +245,14 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
         step = c + comm + _straggler_wait_s(c, w, jitter_cv)
         return _finish(StrategyEstimate("ps-sync", w, step, c, comm, comm, mem, w * workload.batch_per_worker / step),
                        workload, cluster)
-    alone = exchange_s(1)
-    # the servers move push + pull of every update and sum every push
-    capacity = 1.0 / (exchange_s(w) / w)
+    if block_cyclic:
+        block, per_server = grad_bytes / server.servers, max(w / server.servers, 1.0)
+        alone = exchange_s(1, block, 1)
+        capacity = server.servers / (exchange_s(per_server, block, 1) / per_server)
+    else:
+        alone = exchange_s(1)
+        # the servers move push + pull of every update and sum every push
+        capacity = 1.0 / (exchange_s(w) / w)
     jitter = _straggler_wait_s(float(c_each.mean()), w, jitter_cv, window_steps=staleness + 1) if mode == "ssp" else 0.0
     cycles = c_each + alone
     if mode == "ssp":  # nobody gets more than `staleness` steps ahead: the slowest sets the pace
