@@ -8,6 +8,7 @@ model-state bytes, with the mean absolute percentage error of each
 (targets: <= 10% step time, <= 5% memory).
 
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
+    .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
 
 Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
 calibration: 5 repeats per size; --quick-calibration for 3). About 3 minutes
@@ -47,9 +48,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run each configuration this many times and compare with the median run")
-    parser.add_argument("--json", type=Path, default=None, help="write every row here")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write every row here, with the calibration, configs and facts that predicted it")
+    parser.add_argument("--rescore", type=Path, default=None, metavar="JSON",
+                        help="run nothing: predict the runs a --json file holds again, with this code")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.rescore:
+        return rescore(args.rescore)
 
     from ddlscope.analysis.summary import summarize
     from ddlscope.calibrate import calibrate, load_profile, workload_facts, write_profile
@@ -98,12 +104,38 @@ def main() -> int:
             predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
             rows.append({"config": label, "predicted": predicted, "measured": measured,
                          "error": compare(predicted, measured),
-                         "measured_step_s_repeats": [m["step_s"] for _, m in runs]})
+                         "measured_step_s_repeats": [m["step_s"] for _, m in runs],
+                         # enough to predict the row again offline (another model, the same runs)
+                         "run_config": run.config, "environment": run.environment, "facts": facts_cache[key]})
             spread = (f" (repeats {min(m['step_s'] for _, m in runs) * 1e3:.2f}-"
                       f"{max(m['step_s'] for _, m in runs) * 1e3:.2f})" if len(runs) > 1 else "")
             console.print(f"{label}: step {predicted['step_s'] * 1e3:.2f} ms predicted, "
                           f"{measured['step_s'] * 1e3:.2f} ms measured{spread}")
 
+    step_mape, mem_mape = print_results(console, rows)
+    console.print(f"{len(rows)}/{len(CONFIGS)} configs in {time.perf_counter() - began:.0f}s")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "step_mape_pct": step_mape, "memory_mape_pct": mem_mape,
+                                         "calibration": profile}, default=str))
+    return 0 if rows else 1
+
+
+def rescore(path: Path) -> int:
+    """The runs of an earlier --json, predicted again by this code from the same calibration."""
+    from ddlscope.calibrate import workload_facts
+    from ddlscope.predict.local import compare, predict_local
+
+    saved = json.loads(path.read_text())
+    rows = []
+    for row in saved["rows"]:
+        predicted = predict_local(row["run_config"], row["environment"], workload_facts(row["run_config"]),
+                                  saved["calibration"])
+        rows.append({**row, "predicted": predicted, "error": compare(predicted, row["measured"])})
+    print_results(Console(), rows)
+    return 0
+
+
+def print_results(console: Console, rows: list[dict]) -> tuple[float, float]:
     table = Table("config", "step pred ms", "step meas ms", "err", "states pred B", "states meas B", "err",
                   title="local predictor vs measured")
     for r in rows:
@@ -115,11 +147,8 @@ def main() -> int:
     step_mape = statistics.fmean(abs(r["error"]["step_s_error"]) for r in rows) * 100 if rows else float("nan")
     mem_mape = statistics.fmean(abs(r["error"]["model_state_error"]) for r in rows) * 100 if rows else float("nan")
     console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%)   model-state memory MAPE {mem_mape:.1f}% "
-                  f"(target <= 5%)   {len(rows)}/{len(CONFIGS)} configs in {time.perf_counter() - began:.0f}s")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "step_mape_pct": step_mape, "memory_mape_pct": mem_mape},
-                                        default=str))
-    return 0 if rows else 1
+                  f"(target <= 5%)")
+    return step_mape, mem_mape
 
 
 if __name__ == "__main__":

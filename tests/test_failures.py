@@ -35,3 +35,28 @@ def test_run_left_running_by_a_dead_launcher_shows_as_died(tmp_path):
         store.mark_running(run_id)
         store.conn.execute("UPDATE runs SET launcher_pid=? WHERE id=?", (2**22 + 12345, run_id))
         assert store.get_run(run_id).shown_status == "died"
+
+
+def test_ranks_that_finished_but_hang_at_exit_are_killed(tmp_path):
+    """torch/gloo's teardown rarely hangs after a rank has finished: the launcher must not wait forever."""
+    import subprocess
+    import sys
+
+    from ddlscope.runtime.launcher import ExitReaper
+    from ddlscope.runtime.rows import leave_done_marker
+
+    hung = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        leave_done_marker(tmp_path, 0, hung[0].pid)
+        waiting = ExitReaper(tmp_path, ranks=2, grace_s=0.2, poll_s=0.05)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and not waiting.killed  # one rank is not done: nobody is killed
+        assert hung[0].poll() is None
+        leave_done_marker(tmp_path, 1, hung[1].pid)
+        waiting.join(timeout=10)
+        assert not waiting.is_alive() and sorted(waiting.killed) == sorted(p.pid for p in hung)
+        assert [p.wait(timeout=10) for p in hung] == [-9, -9]
+    finally:
+        for p in hung:
+            p.kill()

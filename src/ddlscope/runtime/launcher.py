@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +33,7 @@ import ddlscope
 from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
 from ddlscope.runtime.netns import ShapedNetwork
-from ddlscope.runtime.rows import rank_file, read_records, run_files
+from ddlscope.runtime.rows import done_pids, rank_file, read_records, run_files
 from ddlscope.runtime.worker import worker_main
 from ddlscope.specs import ConfigError, Experiment
 from ddlscope.store import Store
@@ -153,12 +154,16 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         store.mark_running(run_id)
     stop_progress = threading.Event()
     progress = _start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
+    reaper = ExitReaper(run_dir, config.nproc_per_node)
+    reaper.start()
     status, error = "finished", None
     try:
         elastic_launch(config, worker_main)(exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "",
                                             shaped.worker_json() if shaped else "")
     except ChildFailedError as exc:
         status, error = "failed", _first_failure(exc)
+        if reaper.killed:  # every rank had finished; only their exit hung
+            status, error = "finished", None
     except (KeyboardInterrupt, SignalException) as exc:
         signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
         status, error = "interrupted", f"interrupted by {signal_name}"
@@ -166,6 +171,7 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         status, error = "failed", f"{type(exc).__name__}: {exc}"
     finally:
         stop_progress.set()
+        reaper.stop()
         if progress:
             progress.join(timeout=5)
 
@@ -178,6 +184,9 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         if status == "finished" and result.rows.get("step", 0) != expected:
             result.status = "failed"
             result.error = f"expected {expected} step rows, got {result.rows.get('step', 0)}"
+        if reaper.killed:
+            store.add_event(run_id, "exit_hang", f"every rank had finished, but pids {reaper.killed} did not exit "
+                                                 f"within {reaper.grace_s:.0f} s (a torch/gloo teardown hang): killed")
         store.mark_done(run_id, result.status, result.error)
     finally:
         store.close()
@@ -216,6 +225,57 @@ def _quiet_torch_logging() -> None:
     """
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+# How long finished ranks may take to exit before ExitReaper kills them.
+EXIT_GRACE_S = 60.0
+
+
+class ExitReaper(threading.Thread):
+    """Kill ranks that finished but do not exit.
+
+    Once its rows are written and every rank has finished, a rank leaves a marker file with its
+    pid (rows.leave_done_marker). Rarely, torch/gloo's teardown then hangs and the process never exits, and
+    the elastic agent would wait on it forever. When every local rank has left its marker and some
+    are still alive `grace_s` later, they are killed; the launcher then keeps the run's status (its
+    rows are complete, and checked as always) and records an `exit_hang` event.
+    """
+
+    def __init__(self, run_dir: Path, ranks: int, grace_s: float = EXIT_GRACE_S, poll_s: float = 1.0):
+        super().__init__(name="ddlscope-exit-reaper", daemon=True)
+        self.run_dir, self.ranks, self.grace_s, self.poll_s = run_dir, ranks, grace_s, poll_s
+        self.killed: list[int] = []
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        all_done_at: float | None = None
+        while not self._stop_event.wait(self.poll_s):
+            pids = done_pids(self.run_dir)
+            if len(pids) < self.ranks:
+                continue
+            all_done_at = all_done_at or time.monotonic()
+            if time.monotonic() - all_done_at < self.grace_s:
+                continue
+            for pid in filter(_running, pids):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.append(pid)
+                except ProcessLookupError:
+                    pass  # it exited after all
+            return
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: assume alive; killing an exited pid is harmless here
+        return True
 
 
 def _start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[dict[str, Any]], None] | None,

@@ -46,6 +46,19 @@ def rank_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"rank-{rank}.jsonl"
 
 
+def leave_done_marker(run_dir: Path, rank: int, pid: int) -> None:
+    """A rank's pid in `done-RANK.pid`, once its rows are written and every rank has finished
+    (written whole: a reader never sees half of it)."""
+    partial = run_dir / f"done-{rank}.partial"
+    partial.write_text(str(pid))
+    partial.replace(run_dir / f"done-{rank}.pid")
+
+
+def done_pids(run_dir: Path) -> list[int]:
+    """The pids of the ranks that left a done marker in run_dir."""
+    return [int(path.read_text()) for path in sorted(run_dir.glob("done-*.pid"))]
+
+
 def remote_rank_file(run_dir: Path, rank: int) -> Path:
     """Where rank 0 writes the rows a rank on another node sent it."""
     return run_dir / f"remote-rank-{rank}.jsonl"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ from ddlscope.runtime.flops import count_step_flops, flops_message, peak_flops
 from ddlscope.runtime.loop import LoopResult, train
 from ddlscope.runtime.netns import join_rank_namespace
 from ddlscope.runtime.ps_server import serve
-from ddlscope.runtime.rows import RowWriter, rank_file, read_records, remote_rank_file
+from ddlscope.runtime.rows import RowWriter, leave_done_marker, rank_file, read_records, remote_rank_file
 from ddlscope.runtime.trace import traces_dir_for
 from ddlscope.specs import ClusterSpec, Experiment
 from ddlscope.strategies import STRATEGIES
@@ -81,21 +82,16 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
         link = LinkModel(**json.loads(link_json)) if link_json else None
         ctx = RunContext(rank, world, local_rank, node_rank, device, backend, exp, link, workers, worker_group)
         writer.event("started", f"host={os.uname().nodename} pid={os.getpid()} device={device} backend={backend}")
-        task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-        strategy = STRATEGIES.get(exp.strategy.name)(exp.strategy, ctx)
-        if getattr(strategy, "is_server", lambda: False)():
-            serve(task, strategy, ctx, writer)  # type: ignore[arg-type]
-            outcome: dict[str, Any] = {"rank": rank, "role": "server"}
-        else:
-            _record_flops(task, exp, ctx, writer)  # on the plain model, before the strategy wraps it
-            traces = traces_dir_for(Path(run_dir)) if exp.trace_steps else None
-            result = train(task, strategy, ctx, writer, traces_dir=traces)
-            _save_outputs(exp, strategy, result, rank, writer)
-            outcome = {"rank": rank, "role": "worker", "train_s": result.train_s, "final_loss": result.final_loss}
+        outcome = _take_part(exp, ctx, writer, Path(run_dir))
+        # The model, DDP's reducer and the strategy's communication futures died with _take_part's
+        # frame; collect any cycles now, on this thread and with the process group alive, rather than
+        # in the teardown below, where freeing them raced with gloo's threads (a rare hang at exit).
+        gc.collect()
         writer.close()
         if exp.cluster.nnodes > 1:
             _send_rows_to_rank0(Path(run_dir), rank, node_rank)
         _finish_together(world)
+        leave_done_marker(Path(run_dir), rank, os.getpid())  # see launcher.ExitReaper
         return outcome
     except BaseException as exc:
         if not writer.closed:
@@ -105,6 +101,20 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
         writer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _take_part(exp: Experiment, ctx: RunContext, writer: RowWriter, run_dir: Path) -> dict[str, Any]:
+    """Serve (a parameter-server rank) or train and save; what this rank reports to the launcher."""
+    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+    strategy = STRATEGIES.get(exp.strategy.name)(exp.strategy, ctx)
+    if getattr(strategy, "is_server", lambda: False)():
+        serve(task, strategy, ctx, writer)  # type: ignore[arg-type]
+        return {"rank": ctx.rank, "role": "server"}
+    _record_flops(task, exp, ctx, writer)  # on the plain model, before the strategy wraps it
+    traces = traces_dir_for(run_dir) if exp.trace_steps else None
+    result = train(task, strategy, ctx, writer, traces_dir=traces)
+    _save_outputs(exp, strategy, result, ctx.rank, writer)
+    return {"rank": ctx.rank, "role": "worker", "train_s": result.train_s, "final_loss": result.final_loss}
 
 
 def _record_flops(task: Task, exp: Experiment, ctx: RunContext, writer: RowWriter) -> None:
