@@ -102,6 +102,9 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     assert calibration_id == 1 and stored == profile
     assert profile["compute"]["peak_flops"] > 1e8
     assert profile["compute"]["memory_bandwidth_bytes_per_s"] > 1e8
+    curve = profile["compute"]["memory_curve"]  # copy rates by size, the largest the bandwidth above
+    assert curve["bytes_moved"] == sorted(curve["bytes_moved"]) and min(curve["bytes_per_s"]) > 1e8
+    assert curve["bytes_per_s"][-1] == profile["compute"]["memory_bandwidth_bytes_per_s"]
     entry = profile["collectives"]["ws2"]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
         assert {"alpha_s", "beta_bytes_per_s", "r2", "r2_all", "sizes", "seconds"} <= set(entry[op])

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import SRC
@@ -198,35 +197,6 @@ def test_parameter_server_round_and_stretch_with_compute_between_rounds():
     assert ps_compute_stretch(PROFILE, 2, 2e-3) is None  # an older profile: the synchronisation probe's
     # With the probe, a PS worker's wait for the others is inside its rounds: no separate sync overhead.
     assert predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, probed)["sync_overhead_s"] == 0.0
-
-
-def test_memory_bound_time_uses_the_copy_rate_at_each_size():
-    from ddlscope.predict.local import memory_s, other_ops_s
-
-    compute = {**PROFILE["compute"], "memory_curve": {"bytes_moved": [1e5, 1e7], "bytes_per_s": [1e11, 1e10]}}
-    assert memory_s(compute, 1e6, 1e5) == pytest.approx(1e-5)  # in cache: fast
-    assert memory_s(compute, 1e6, 1e7) == pytest.approx(1e-4)
-    assert memory_s(compute, 1e6, 1e6) == pytest.approx(1e6 / np.sqrt(1e11 * 1e10))  # log-log between
-    assert memory_s(compute, 1e6, 1e9) == pytest.approx(1e-4)  # held beyond the largest size
-    facts = {**FACTS, "other_op_bytes": 3e6, "step_footprint_bytes": 1e5}
-    assert other_ops_s(facts, compute) == pytest.approx(3e-5)  # the step's data stays in the cache
-    assert other_ops_s({**facts, "step_footprint_bytes": 1e7}, compute) == pytest.approx(3e-4)
-    assert other_ops_s(facts, PROFILE["compute"]) == pytest.approx(3e6 / 1e10)  # an older profile: one rate
-
-
-def test_workload_facts_measure_the_step_footprint():
-    from ddlscope.calibrate import workload_facts
-    from ddlscope.runtime.config import experiment_to_dict, load_experiment
-
-    def facts(batch: int) -> dict:
-        exp = load_experiment(None, {"workload.name": "mlp-digits", "workload.hidden": 32, "workload.batch_size": batch})
-        return workload_facts(experiment_to_dict(exp))
-
-    small, large = facts(16), facts(64)
-    # weights and gradients, plus the forward's results, which grow with the batch
-    assert small["step_footprint_bytes"] > 2 * small["param_bytes"]
-    assert large["step_footprint_bytes"] - 2 * large["param_bytes"] > 3 * (small["step_footprint_bytes"] - 2 * small["param_bytes"])
-    assert small["other_op_bytes"] > 0
 
 
 def test_block_cyclic_async_exchanges_one_block_a_step():

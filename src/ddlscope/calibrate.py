@@ -140,8 +140,8 @@ def _median_time(fn: Any, repeats: int, inner: int = 1) -> float:
 
 
 # Copies from 64 KiB to 64 MiB: what a memory-bound op moves per second depends on where its data
-# sits (on this 2-core VM ~60-90 GB/s within the 4 MiB L2, ~25-30 GB/s at a few MiB, ~13 GB/s at
-# 128 MiB moved); the step's ops and passes are looked up at their own sizes.
+# sits (on this 2-core VM ~50-70 GB/s within the 4 MiB L2, ~25-40 GB/s at a few MiB, ~13 GB/s at
+# 128 MiB moved). Recorded; predict/local.py uses the largest copy's rate (see there why).
 MEMORY_COPY_BYTES = tuple(1 << p for p in (16, 18, 20, 22, 24, 26))
 
 
@@ -681,16 +681,11 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
             super().__init__()
             self.count = 0
             self.other_bytes = 0
-            self.output_bytes = 0  # the memory of every op's new results
             self.gemm_flops: list[tuple[float, float]] = []  # (flops, effective square size)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             self.count += 1
             out = func(*args, **(kwargs or {}))
-            outs = out if isinstance(out, (tuple, list)) else [out]
-            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            self.output_bytes += sum(t.nbytes for t in outs  # views and detaches share an input's memory
-                                     if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)
             name = str(getattr(func, "__name__", func)).split(".")[0]
             mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
             if name in ("mm", "addmm", "bmm") and len(mats) >= 2:
@@ -699,6 +694,7 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
                 m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
                 self.gemm_flops.append((2.0 * batch * m * k * n, (m * k * n) ** (1 / 3)))
             else:  # memory-bound: bytes read and written
+                outs = out if isinstance(out, (tuple, list)) else [out]
                 self.other_bytes += sum(t.nbytes for t in (*args, *outs) if isinstance(t, torch.Tensor))
             return out
 
@@ -709,9 +705,7 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         ops = _Ops()
         with ops:
-            loss = task.loss_fn(model(x), y)
-            forward_output_bytes = ops.output_bytes
-            loss.backward()
+            task.loss_fn(model(x), y).backward()
         model.zero_grad(set_to_none=True)
     params = list(model.parameters())
     units = _block_units(model)
@@ -722,9 +716,6 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
         "gemm_flops": [f for f, _ in ops.gemm_flops],  # per matmul of the step (forward + backward)
         "gemm_size": [n for _, n in ops.gemm_flops],  # its effective square size (m k n)^(1/3)
         "other_op_bytes": ops.other_bytes,  # bytes moved by the step's non-matmul ops
-        # What the step keeps touching: weights, their gradients and the forward's results (which the
-        # backward reads back); whether that fits a cache sets the memory-bound ops' rate.
-        "step_footprint_bytes": 2 * sum(p.numel() * p.element_size() for p in params) + forward_output_bytes,
         "param_numel": [p.numel() for p in params],
         "param_dim0": [p.shape[0] if p.dim() else 1 for p in params],
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
