@@ -33,9 +33,10 @@ What is measured, each with one intra-op thread per process as training ranks us
   unit against the unit's bytes.
 - a parameter server's transport round, per world size (`_incast_probe`):
   all ranks but the last push a header and a message to the last, which
-  answers each; the round's time as the workers see it, at a few sizes.
-  Many senders to one receiver on shared cores cost more than two-rank
-  ping-pong suggests.
+  answers each; the round's time as the workers see it, at a few sizes,
+  back to back and with every worker computing a block before its push (the
+  round and the compute then both stretch). Many senders to one receiver on
+  shared cores cost more than two-rank ping-pong suggests.
 
 The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
 wake-ups are tens of microseconds, comparable to the whole message), so one
@@ -470,7 +471,7 @@ def _mean_over_workers(values: list[float]) -> list[float]:
 
 
 def _incast_rounds(size: int, block: Any, rounds: int) -> tuple[float, float]:
-    """(round, block) seconds, medians on a worker ((0, 0) on the server), of `rounds` rounds at
+    """(round, block) seconds, means over `rounds` rounds on a worker ((0, 0) on the server), at
     `size` bytes with `block` (None: nothing) computed by every worker before its push."""
     import torch
     import torch.distributed as dist

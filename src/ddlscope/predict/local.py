@@ -41,10 +41,11 @@ Per step and rank:
   server's update costs the passes over its shard that runtime/ps_server.py
   makes (server_apply_passes).
 - synchronisation: a rank that finishes its compute waits for the slowest and
-  for gloo's threads to wake: the calibrated `sync_overhead_s` per step for
-  the parameter servers (every worker blocks on its server's answer each
-  step, async ones too), and for ddp/fsdp when the profile has no probe of
-  theirs (their probes time whole steps, that wait included).
+  for gloo's threads to wake: the calibrated `sync_overhead_s` per step
+  wherever no probe of the strategy holds that wait already: ddp/fsdp
+  without their probes (which time whole steps), parameter servers without
+  the transport probe's rounds with compute (which hold the wait for the
+  other workers' pushes; it also gives PS workers their compute stretch).
 - optimizer: 3 passes over the parameters at memory bandwidth plus per-tensor
   op overheads (none on PS workers: the server steps).
 - model states per rank: parameters / gradients / optimizer bytes (ddp
@@ -145,7 +146,8 @@ def sync_at(sync: dict[str, Any], alone_s: float) -> tuple[float, float]:
     if not sync:
         return 1.0, 0.0
     blocks = sync["block_alone_s"]
-    return between_blocks(blocks, sync["compute_stretch"], alone_s), between_blocks(blocks, sync["sync_overhead_s"], alone_s)
+    return (between_blocks(blocks, sync["compute_stretch"], alone_s),
+            between_blocks(blocks, sync["sync_overhead_s"], alone_s))
 
 
 def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
@@ -314,9 +316,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     zero_grad_s = n_tensors * op_s * stretch
 
     comm_s = 0.0
-    # The DDP and FSDP probes time whole steps, each rank's wait for the others included; the
-    # synchronisation probe is for what has no probe of its own. Every PS worker blocks on its
-    # server's answer each step (async ones too), and the server on the workers' pushes.
+    # The DDP and FSDP probes time whole steps, and the PS probe's rounds with compute hold the wait
+    # for the other workers, each rank's wait included; the synchronisation probe is for what has no
+    # probe of its own (every PS worker blocks on its server's answer each step, async ones too).
     meets_every_step = ((is_ps and ps_stretch is None)
                         or (strategy in ("ddp", "fsdp") and not machine_probe(profile, strategy, world)))
     if strategy == "ddp":
@@ -330,7 +332,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         # Block-cyclic async: each step a worker exchanges one block with one server, so a server
         # hears from workers / servers of them a round (its round as the probe's with that many).
         block_cyclic = strategy == "ps-async" and bool(config["strategy"].get("block_cyclic", False))
-        clients = max(world / servers, 1.0) if block_cyclic else world
+        clients = max(world / servers, 1.0) if block_cyclic else world  # PSAsyncSpec.pushes_per_round (torch side)
         round_s = ps_round_s(profile, clients, per_server, link, alone_s)
         if strategy == "ps-sync":
             comm_s = round_s + apply_s + flatten_s

@@ -191,8 +191,10 @@ def _write_range(params: list[nn.Parameter], lo: int, values: torch.Tensor) -> N
     with torch.no_grad():
         for p in params:
             start, end = max(lo, offset), min(hi, offset + p.numel())
-            if start < end:
-                p.view(-1)[start - offset:end - offset].copy_(values[start - lo:end - lo].to(p.dtype))
+            if start == offset and end == offset + p.numel():  # the whole tensor, whatever its layout
+                p.copy_(values[start - lo:end - lo].view_as(p))
+            elif start < end:  # a shard boundary cuts it: a flat view (parameters are contiguous)
+                p.view(-1)[start - offset:end - offset].copy_(values[start - lo:end - lo])
             offset += p.numel()
 
 
