@@ -212,3 +212,25 @@ def test_block_cyclic_async_exchanges_one_block_a_step():
     # block_cyclic only means something for ps-async
     assert predict_local(_config("ps-sync", 4, servers=2, block_cyclic=True), {}, facts, probed) == \
         predict_local(_config("ps-sync", 4, servers=2), {}, facts, probed)
+
+
+def test_server_rounds_share_the_cores_they_run_on():
+    from ddlscope.predict.local import concurrent_rounds_slowdown, ps_round_s
+
+    # one server's round with 2 workers keeps 3 cores busy (2 on a 2-core machine)
+    assert concurrent_rounds_slowdown(1, 2, 2) == 1.0
+    assert concurrent_rounds_slowdown(2, 2, 2) == 2.0  # two servers' rounds take turns
+    assert concurrent_rounds_slowdown(2, 1, 2) == 2.0  # block-cyclic: one worker each, still 2 cores each
+    assert concurrent_rounds_slowdown(2, 2, 8) == 1.0  # cores to spare: side by side
+    assert concurrent_rounds_slowdown(4, 2, 8) == pytest.approx(1.5)
+    # the stretch is CPU work: an emulated link's waiting is not stretched
+    probed = {**PROFILE, "ps": {"ws3": {"workers": 2, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3]}}}
+    assert ps_round_s(probed, 2, 1e6, None, cpu_slowdown=2.0) == pytest.approx(2e-3)
+    assert ps_round_s(probed, 2, 1e6, (1e-3, 1e7), cpu_slowdown=2.0) == pytest.approx(4 * (1e-3 + 0.1))
+    # two servers on 2 cores: each round carries half the bytes, but they take turns for the cores
+    two_cores = {**probed, "meta": {"cores": 2}}
+    facts = {**FACTS, "param_bytes": 2e6}
+    two = predict_local(_config("ps-sync", 2, servers=2), {}, facts, two_cores)
+    many_cores = predict_local(_config("ps-sync", 2, servers=2), {}, facts, {**probed, "meta": {"cores": 16}})
+    assert two["breakdown_s"]["comm_wait_s"] > many_cores["breakdown_s"]["comm_wait_s"]
+    assert any("2 server rounds at once share 2 cores (x2.00 each)" in n for n in two["notes"])

@@ -209,15 +209,18 @@ def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str
     return {"worker": {"parameters": full, "gradients": full, "optimizer": states * full}}
 
 
-def ps_round_s(profile: dict[str, Any], workers: int, payload_bytes: float,
-               link: tuple[float, float] | None, compute_s: float | None = None) -> float:
+def ps_round_s(profile: dict[str, Any], workers: float, payload_bytes: float,
+               link: tuple[float, float] | None, compute_s: float | None = None,
+               cpu_slowdown: float = 1.0) -> float:
     """One server's round: every worker pushes a header and `payload_bytes`, the server answers each.
 
     From the calibrated transport probe: with the workers computing `compute_s` between rounds where
     the probe measured that (linear in the compute between no compute and its two block lengths),
     back to back otherwise; linear in the workers between the world sizes measured, in the bytes
     between its sizes. Without a probe, from the two-rank p2p table, the server taking the messages
-    one at a time. With an emulated link at least its time for every push and answer in turn.
+    one at a time. `cpu_slowdown` stretches the measured round (other servers' rounds on the same
+    cores); an emulated link's time is waiting, not CPU work, and is not stretched: with it the round
+    takes at least the link's time for every push and answer in turn.
     """
     probes = profile.get("ps") or {}
     if probes:
@@ -226,6 +229,7 @@ def ps_round_s(profile: dict[str, Any], workers: int, payload_bytes: float,
     else:
         one_way = message_s(profile, "p2p", payload_bytes, 2, None) + message_s(profile, "p2p", 0.0, 2, None)
         measured = 2 * workers * one_way
+    measured *= cpu_slowdown
     if link is None:
         return measured
     return max(measured, 2 * workers * emulated_s(link, "p2p", payload_bytes, 2))
@@ -247,6 +251,18 @@ def ps_compute_stretch(profile: dict[str, Any], workers: int, alone_s: float) ->
         return None
     stretch = [busy / alone for busy, alone in zip(probe["busy_block_s"], probe["block_alone_s"])]
     return between_blocks(probe["block_alone_s"], stretch, alone_s)
+
+
+def concurrent_rounds_slowdown(rounds: int, clients: float, cores: int) -> float:
+    """How much `rounds` server rounds at once stretch each other on `cores` cores.
+
+    A round keeps its server and its `clients` workers' transport busy, up to
+    the cores there are (as the probe measured it, one server alone); rounds
+    beyond what the cores hold take turns. One round, or a machine with cores
+    to spare, runs each as fast as the probe.
+    """
+    cores_per_round = min(clients + 1.0, max(cores, 1))
+    return max(1.0, rounds * cores_per_round / max(cores, 1))
 
 
 def server_apply_passes(strategy: str, workers: int, opt_kind: str) -> float:
@@ -333,7 +349,11 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         # hears from workers / servers of them a round (its round as the probe's with that many).
         block_cyclic = strategy == "ps-async" and bool(config["strategy"].get("block_cyclic", False))
         clients = max(world / servers, 1.0) if block_cyclic else world  # PSAsyncSpec.pushes_per_round (torch side)
-        round_s = ps_round_s(profile, clients, per_server, link, alone_s)
+        # Servers are processes on the workers' machine: their rounds run side by side only while
+        # cores are free (the probe's round, one server and `clients` workers, keeps that many busy).
+        side_by_side = min(servers, world) if block_cyclic else servers
+        round_s = ps_round_s(profile, clients, per_server, link, alone_s,
+                             concurrent_rounds_slowdown(side_by_side, clients, cores))
         if strategy == "ps-sync":
             comm_s = round_s + apply_s + flatten_s
         else:
@@ -350,7 +370,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         if block_cyclic:
             notes.append(f"ps: block-cyclic: a worker exchanges one of {servers} blocks a step")
         if servers > 1:
-            notes.append(f"ps: {servers} servers taken to work in parallel, each a round of its shard")
+            notes.append(f"ps: {side_by_side} server rounds at once share {cores} cores "
+                         f"(x{concurrent_rounds_slowdown(side_by_side, clients, cores):.2f} each)")
     elif strategy != "single":
         notes.append(f"strategy {strategy}: communication not modelled")
 
