@@ -343,11 +343,12 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         comm_s = _fsdp_comm_s(config, facts, profile, world, link, notes)
     elif is_ps:
         per_server = param_bytes / servers
-        flatten_s = 2 * 2 * param_bytes / mem_bw * stretch  # cat the gradients, copy the answer back
         apply_s = per_tensor_s + server_apply_passes(strategy, world, opt_kind) * per_server / mem_bw
         # Block-cyclic async: each step a worker exchanges one block with one server, so a server
         # hears from workers / servers of them a round (its round as the probe's with that many).
         block_cyclic = strategy == "ps-async" and bool(config["strategy"].get("block_cyclic", False))
+        exchanged = per_server if block_cyclic else param_bytes
+        flatten_s = 2 * 2 * exchanged / mem_bw * stretch  # gather the pushed gradients, copy the answer back
         clients = max(world / servers, 1.0) if block_cyclic else world  # PSAsyncSpec.pushes_per_round (torch side)
         # Servers are processes on the workers' machine: their rounds run side by side only while
         # cores are free (the probe's round, one server and `clients` workers, keeps that many busy).

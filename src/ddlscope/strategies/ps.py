@@ -146,8 +146,7 @@ class ParameterServer(Strategy):
 
     def synchronize(self, model: nn.Module) -> None:
         params = list(model.parameters())
-        flat_grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        flat_grad = flat_grad.to("cpu", torch.float32)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         blocks = self.spec.blocks_pushed(self.ctx.rank, self._step)
         sends, receipts = [], []
         pending = self.comm.launched(sum(hi - lo for lo, hi in (self._ranges[s] for s in blocks)) * 4, "p2p")
@@ -155,7 +154,7 @@ class ParameterServer(Strategy):
             server, (lo, hi) = self.server_ranks[s], self._ranges[s]
             header = torch.tensor([PUSH, self._step, self._versions[s]], dtype=torch.int64)
             sends.append(dist.isend(header, server, tag=HEADER_TAG))
-            sends.append(dist.isend(flat_grad[lo:hi].contiguous(), server, tag=DATA_TAG))
+            sends.append(dist.isend(_read_range(grads, lo, hi), server, tag=DATA_TAG))
             reply_header = torch.empty(REPLY_HEADER, dtype=torch.int64)
             shard = torch.empty(hi - lo, dtype=torch.float32)
             receipts.append((s, reply_header, shard, dist.irecv(reply_header, server, tag=HEADER_TAG),
@@ -183,6 +182,18 @@ class ParameterServer(Strategy):
         done = torch.tensor([DONE, self._step, 0], dtype=torch.int64)
         for server in self.server_ranks:
             dist.send(done, server, tag=HEADER_TAG)
+
+
+def _read_range(tensors: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Elements lo..hi of the tensors flattened end to end, as one contiguous fp32 CPU tensor: only
+    the tensors a server's shard covers are copied (a block-cyclic step sends one shard)."""
+    pieces, offset = [], 0
+    for t in tensors:
+        start, end = max(lo, offset), min(hi, offset + t.numel())
+        if start < end:
+            pieces.append(t.reshape(-1)[start - offset:end - offset])
+        offset += t.numel()
+    return torch.cat(pieces).to("cpu", torch.float32)
 
 
 def _write_range(params: list[nn.Parameter], lo: int, values: torch.Tensor) -> None:
