@@ -58,7 +58,7 @@ MODELS = ("gpt",)
 REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(
-    help="TOML file with cluster, [model] and [parallel]; flags override it.")]
+    help="TOML file with cluster, \\[model] and \\[parallel]; flags override it.")]
 ClusterOpt = Annotated[Optional[str], typer.Option(
     "--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
                       "as `ddlscope calibrate` measured it.")]
