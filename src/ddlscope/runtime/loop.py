@@ -25,7 +25,7 @@ from ddlscope.runtime.instrument import (
     ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter
 from ddlscope.runtime.trace import StepTracer
-from ddlscope.specs import WorkloadSpec
+from ddlscope.specs import Experiment, WorkloadSpec
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.workloads.base import Task
 
@@ -57,8 +57,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
     per_rank = exp.per_rank_batch()
     data_rank = ctx.rank if exp.strategy.splits_global_batch else 0
-    slowdown = exp.cluster.slowdown_of(ctx.rank)
-    jitter = random.Random(exp.seed * 7919 + ctx.rank) if exp.cluster.jitter else None
+    straggler = _Straggler(exp, ctx.rank)
     memory_step = min(1, spec.steps - 1)  # step 0 pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
@@ -90,10 +89,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
                 loss = task.loss_fn(model(x), y)
                 device_sync(device)
             t2 = clock()
-            stretch = slowdown * (1 + exp.cluster.jitter * jitter.random()) if jitter else slowdown
-            if stretch > 1:
-                # A straggler computes slower: stretch its forward and (estimated) backward time.
-                time.sleep((stretch - 1) * ((t2 - t1) + (backward_compute_s or 2 * (t2 - t1))))
+            if straggler.hold(t2 - t1, backward_compute_s or 2 * (t2 - t1)):
                 t2 = clock()
             with phase("backward"):
                 loss.backward()
@@ -140,6 +136,24 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
     return LoopResult(spec.steps, train_s, loss_value, model, optimizer)
+
+
+class _Straggler:
+    """An emulated slow rank (cluster.slowdown, cluster.jitter): it computes `stretch` times slower,
+    the extra time slept after its forward pass so that it shows as forward time."""
+
+    def __init__(self, exp: Experiment, rank: int):
+        self.slowdown = exp.cluster.slowdown_of(rank)
+        self.jitter = exp.cluster.jitter
+        self.rng = random.Random(exp.seed * 7919 + rank) if self.jitter else None
+
+    def hold(self, forward_s: float, backward_s: float) -> bool:
+        """Sleep for this step's extra compute time, if any; True when it slept."""
+        stretch = self.slowdown * (1 + self.jitter * self.rng.random()) if self.rng else self.slowdown
+        if stretch <= 1:
+            return False
+        time.sleep((stretch - 1) * (forward_s + backward_s))
+        return True
 
 
 def _crash(writer: RowWriter, step: int) -> None:
