@@ -8,6 +8,7 @@ model-state bytes, with the mean absolute percentage error of each
 (targets: <= 10% step time, <= 5% memory).
 
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
+        [--servers | --only-servers]   # + 5 runs with two parameter-server ranks, reported apart
     .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
 
 Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
