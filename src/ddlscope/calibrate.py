@@ -384,9 +384,11 @@ def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:
     return {"block_alone_s": alone_s, "block_together_s": together_s, "wait_s": wait_s, "latency_s": latency_s}
 
 
-# Block widths of the strategy probes: FSDP units of ~1 KiB, 16 KiB, 257 KiB and 4 MiB of fp32
-# parameters; DDP models of 4 such blocks (~4 KiB .. 16 MiB, one 25 MiB bucket).
-PROBE_WIDTHS = (16, 64, 256, 1024)
+# Block widths of the strategy probes: FSDP units of ~1 KiB, 16 KiB, 257 KiB, 1 MiB and 4 MiB of
+# fp32 parameters; DDP models of 4 such blocks (~4 KiB .. 16 MiB, one 25 MiB bucket). Width 512
+# puts a point between 1 and 16 MiB, where the models one trains here are (the step's cost is
+# interpolated linearly between the widths).
+PROBE_WIDTHS = (16, 64, 256, 512, 1024)
 QUICK_PROBE_WIDTHS = (16, 256)
 PROBE_BATCH = 32
 PROBE_BLOCKS = 4
@@ -446,7 +448,7 @@ def _incast_probe(repeats: int, quick: bool) -> dict[str, Any]:
 
     world = dist.get_world_size()
     sizes = QUICK_INCAST_SIZES if quick else INCAST_SIZES
-    rounds = max(6, 2 * repeats)
+    rounds = max(12, 6 * repeats)  # the rounds vary +-30% at 10 (two calibrations, 2 cores): average more
     idle_round_s = _mean_over_workers([_incast_rounds(size, None, rounds)[0] for size in sizes])
     blocks = [_matmul_block(target) for target in SYNC_PROBE_BLOCKS_S]
     block_alone_s = _mean_over_workers([_alone_s(block, max(rounds // 2, 3)) for block in blocks])
