@@ -79,3 +79,19 @@ def test_block_cyclic_blocks_cycle_over_the_servers():
     assert spec.pushes_per_round(6) == 2 and spec.pushes_per_round(2) == 1  # never scaled up
     plain = PSAsyncSpec(servers=3)
     assert plain.blocks_pushed(0, 0) == [0, 1, 2] and plain.pushes_per_round(6) == 6
+
+
+def test_shard_ranges_read_and_write_the_flattened_tensors():
+    from ddlscope.strategies.ps import _read_range, _write_range, shard_ranges
+
+    params = [torch.nn.Parameter(torch.arange(6.0).reshape(2, 3)), torch.nn.Parameter(torch.arange(6.0, 10.0))]
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    ranges = shard_ranges(flat.numel(), 3)
+    for lo, hi in ranges:  # boundaries inside a tensor, and at one
+        torch.testing.assert_close(_read_range(params, lo, hi), flat[lo:hi])
+    assert _read_range(params, 4, 4).numel() == 0
+    lo, hi = ranges[1]
+    _write_range(params, lo, -flat[lo:hi])
+    expected = flat.clone()
+    expected[lo:hi] *= -1
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in params]), expected)

@@ -193,6 +193,8 @@ def _read_range(tensors: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         if start < end:
             pieces.append(t.reshape(-1)[start - offset:end - offset])
         offset += t.numel()
+    if not pieces:  # an empty shard (more servers than elements)
+        return torch.empty(0, dtype=torch.float32)
     return torch.cat(pieces).to("cpu", torch.float32)
 
 
