@@ -72,7 +72,7 @@ def _print(result: Any) -> None:
     out.print(f"[bold]{result.experiment}[/bold] ({result.workload['name']}, "
                   f"{result.workload['params'] / 1e6:.4g}M parameters) on {result.cluster}: {result.workers} workers"
                   + (f", one {result.stragglers:g}x slower" if result.stragglers > 1 else ""))
-    table = Table("#", "strategy", "step", "comm (exposed)", "samples/s", "GiB/GPU", "fits", "$/step", "experiment")
+    table = Table("#", "strategy", "step", "comm (waited)", "samples/s", "GiB/GPU", "fits", "$/step", "experiment")
     for r in result.strategies:
         table.add_row(str(r.rank), r.strategy, _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
                       f"{r.samples_per_s:.4g}", f"{r.memory_gib_per_gpu:.3g}", "yes" if r.fits else "[red]no[/red]",

@@ -43,7 +43,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from ddlscope.specs import ConfigError
 
@@ -332,20 +332,21 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
 
 
 def _print_plan(result: Any) -> None:
+    from ddlscope.predict import ParallelSpec
+
     console.print(f"[bold]{result.cluster}[/bold]: {result.evaluated:,} valid configurations scored in "
                   f"{result.search_s * 1e3:.1f} ms ({result.configs_per_s:,.0f}/s), {result.feasible:,} fit; "
                   f"ranked by {result.rank_by}")
     if not result.rows:
         console.print("[red]no configuration fits in memory[/red]")
         return
-    table = Table("#", "TP", "PP", "DP", "mb", "ZeRO", "recompute", "SP", "v", "sched", "GPUs", "step s",
-                  "TFLOP/s", "MFU", "mem GB", "$/step")
+    # One configuration column that wraps, rather than ten narrow ones an 80-column log truncates.
+    table = Table("#", Column("configuration", overflow="fold", ratio=1), "GPUs", "step s", "TFLOP/s", "MFU",
+                  "GB", "$/step")
     for r in result.rows:
         p, q = r.prediction, r.prediction.parallel
-        gpus = q["tp"] * q["pp"] * q["dp"]
-        table.add_row(str(r.rank), str(q["tp"]), str(q["pp"]), str(q["dp"]), str(q["micro_batch"]), str(q["zero"]),
-                      q["recompute"], "y" if q["sequence_parallel"] else "", str(q["interleave"]), q["schedule"],
-                      str(gpus), f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
+        table.add_row(str(r.rank), ParallelSpec(**q).label(), str(q["tp"] * q["pp"] * q["dp"]),
+                      f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)
     for r in result.rows:

@@ -85,8 +85,10 @@ class StrategyEstimate:
     workers: int
     step_s: float
     compute_s: float
-    comm_s: float  # time on the wire
-    exposed_comm_s: float  # of which not hidden behind compute
+    comm_s: float  # a worker's own exchange: time on the wire
+    # what a step waits for communication beyond compute: the wire time not hidden behind it, and
+    # for asynchronous servers also the queue for a busy server (so it can exceed comm_s)
+    exposed_comm_s: float
     memory_bytes_per_gpu: float  # allocator peak (torch.cuda.max_memory_allocated's view: no CUDA context)
     samples_per_s: float
     speedup_vs_single: float = 0.0
