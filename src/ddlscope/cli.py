@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from ddlscope.specs import ConfigError
 from ddlscope.store import STEP_COLUMNS, Store, StoreError
@@ -162,12 +162,15 @@ def runs(db: DbOption = DEFAULT_DB,
          limit: Annotated[int, typer.Option(help="Show the newest N runs.")] = 50) -> None:
     """List the runs in the store, newest first."""
     with _open_store(db) as store:
-        table = Table("id", "name", "workload", "strategy", "ranks", "status", "steps", "created", "duration",
-                      box=None, pad_edge=False)
+        # Names wrap rather than truncate: they are what one types back as RUN.
+        # Names wrap rather than truncate (they are what one types back as RUN), so that 80 columns hold
+        # a row: workload, strategy and ranks share one column.
+        table = Table("id", Column("name", overflow="fold", ratio=1), Column("what", overflow="fold", ratio=1),
+                      "status", "steps", Column("created", no_wrap=True), "duration", box=None, pad_edge=False)
         for r in store.list_runs(limit):
             steps = store.count_steps(r.id) // max(r.world_size, 1)
             duration = f"{r.finished_at - r.started_at:.1f}s" if r.finished_at and r.started_at else ""
-            table.add_row(str(r.id), r.name, r.workload, r.strategy, str(r.world_size), r.shown_status,
+            table.add_row(str(r.id), r.name, f"{r.workload} {r.strategy} x{r.world_size}", r.shown_status,
                           str(steps), _when(r.created_at), duration)
         console.print(table)
 
