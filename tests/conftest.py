@@ -17,9 +17,9 @@ class CliResult:
     stderr: str
 
 
-def run_cli(*args: str, cwd: Path, timeout_s: float = 240) -> CliResult:
-    """Run `ddlscope ARGS` as a user would: a fresh process, no TTY."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+def run_cli(*args: str, cwd: Path, timeout_s: float = 240, columns: int = 200) -> CliResult:
+    """Run `ddlscope ARGS` as a user would: a fresh process, no TTY, `columns` wide."""
+    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": str(columns)}
     proc = subprocess.run([sys.executable, "-m", "ddlscope", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
     return CliResult(proc.returncode, proc.stdout, proc.stderr)

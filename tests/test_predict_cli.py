@@ -94,6 +94,7 @@ def test_plan_table_and_json(run):
     table = run(*args, "--top", "3")
     assert table.exit_code == 0, table.output
     assert "#1" in table.output and "beats next" in table.output
+    assert "recompute=" in table.output and "\u2026" not in table.output  # configurations whole, wrapped
     data = json.loads(run(*args, "--by", "cost", "--json").output)
     assert data["by"] == "cost" and data["evaluated"] > 0 and len(data["top"]) == 5
     assert [r["rank"] for r in data["top"]] == [1, 2, 3, 4, 5]

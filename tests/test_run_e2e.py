@@ -81,6 +81,12 @@ def test_show_json_and_export(ddp4):
     human = run_cli("show", "1", cwd=home, timeout_s=60)
     assert human.returncode == 0 and "time breakdown" in human.stdout
 
+    # an 80-column log holds the tables whole: nothing cut to "…"
+    narrow_runs = run_cli("runs", cwd=home, timeout_s=60, columns=80)
+    scaled = run_cli("scaling", "1", cwd=home, timeout_s=60, columns=80)
+    assert scaled.returncode == 0 and "samples/s" in scaled.stdout and "comm ms" in scaled.stdout
+    assert "\u2026" not in scaled.stdout + narrow_runs.stdout
+
 
 def test_catalogues_list_registered_plugins(cli):
     strategies = cli("strategies", timeout_s=60)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich import box
 from rich.table import Column, Table
 
 from ddlscope.specs import ConfigError
@@ -360,16 +361,24 @@ def scaling(
         if not chosen:
             raise UserError(f"no finished {strategy} runs of {workload} in {db}")
         rows = scaling_table(store, chosen)
-    table = Table("ranks", "run", "samples/s", "speedup", "efficiency",
-                  *(f"{p.removesuffix('_s')} ms (x)" for p in PHASES), title="scaling")
+    # Each phase's mean ms per step, its growth over the first row's beneath: 80 columns hold it.
+    short = {"data_s": "data", "forward_s": "fwd", "backward_s": "bwd", "comm_wait_s": "comm", "optimizer_s": "opt"}
+    table = Table("ranks", "run", "samples/s", "speedup", "eff.", *(f"{short.get(p, p)} ms" for p in PHASES),
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  title="scaling (phase ms per step; beneath, x the first row's)")
     for r in rows:
-        table.add_row(str(r.world_size), str(r.run_id), f"{r.throughput_samples_per_s or 0:.1f}",
+        table.add_row(str(r.world_size), str(r.run_id), f"{r.throughput_samples_per_s or 0:.4g}",
                       f"{r.speedup_vs_single:.2f}x" if r.speedup_vs_single else "-",
                       f"{r.scaling_efficiency:.0%}" if r.scaling_efficiency else "-",
-                      *(f"{r.breakdown_mean_s.get(p, 0) * 1e3:.2f} ({r.breakdown_growth[p]:.2f})"
-                        if r.breakdown_growth[p] is not None else f"{r.breakdown_mean_s.get(p, 0) * 1e3:.2f}"
+                      *(_ms_short(r.breakdown_mean_s.get(p, 0) * 1e3)
+                        + (f"\nx{r.breakdown_growth[p]:.2f}" if r.breakdown_growth[p] is not None else "")
                         for p in PHASES))
     console.print(table)
+
+
+def _ms_short(ms: float) -> str:
+    """Three significant digits without an exponent (1280, 168, 7.46, 0.203)."""
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 # ---------------------------------------------------------------------------- catalogues
