@@ -234,3 +234,18 @@ def test_server_rounds_share_the_cores_they_run_on():
     many_cores = predict_local(_config("ps-sync", 2, servers=2), {}, facts, {**probed, "meta": {"cores": 16}})
     assert two["breakdown_s"]["comm_wait_s"] > many_cores["breakdown_s"]["comm_wait_s"]
     assert any("2 server rounds at once share 2 cores (x2.00 each)" in n for n in two["notes"])
+
+
+def test_turn_taking_for_cores_is_inside_the_ddp_probe():
+    # 4 ranks on 2 cores: without a DDP probe the step waits its turn for a core on top of the
+    # all-reduces; the DDP probe differences whole synchronised steps there, so that wait is in it.
+    two_cores = {**PROFILE, "meta": {"cores": 2}}
+    plain = predict_local(_config("ddp", 4), {}, FACTS, two_cores)
+    assert any("waits its turn" in n for n in plain["notes"])
+    probed = {**two_cores, "ddp": {"ws4": {"model_bytes": [0.0, 1e5], "overhead_s": [1e-3, 2e-3]}}}
+    ddp = predict_local(_config("ddp", 4), {}, FACTS, probed)
+    assert ddp["breakdown_s"]["comm_wait_s"] == pytest.approx(1e-3 + 1e-8 * FACTS["param_bytes"])
+    assert any("turn-taking at the synchronisation" in n for n in ddp["notes"])
+    # parameter-server workers keep it: their probe times rounds, not whole steps
+    assert any("waits its turn" in n for n in predict_local(_config("ps-sync", 4, servers=1), {}, FACTS,
+                                                            probed)["notes"])

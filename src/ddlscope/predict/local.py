@@ -380,6 +380,13 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
     busy_s = compute_s + optimizer_s
     turn_wait_s = busy_period_s(busy_s / stretch, stretch, oversubscription) - busy_s
+    if turn_wait_s > 0 and strategy in ("ddp", "fsdp") and machine_probe(profile, strategy, world):
+        # The DDP/FSDP probe differences whole synchronised steps at this world size on these cores:
+        # ranks waiting at the all-reduce for one that had no core are inside it already. Counted again
+        # here, DDP came out 7-13% slow at 4 ranks on 2 cores in every benchmark run (docs/calibrate.md).
+        notes.append(f"{world} computing ranks on {cores} cores: the {strategy} probe's cost holds their "
+                     f"turn-taking at the synchronisation")
+        turn_wait_s = 0.0
     if turn_wait_s > 0:
         notes.append(f"{world} computing ranks on {cores} cores: each waits its turn for a core "
                      f"({turn_wait_s * 1e3:.2f} ms a step, counted as waiting)")
