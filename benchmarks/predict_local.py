@@ -123,8 +123,8 @@ def main() -> int:
             if key not in facts_cache:
                 facts_cache[key] = workload_facts(run.config)
             predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
-            rows.append({"config": label, "target_set": (strategy, world, network) in CONFIGS, "predicted": predicted, "measured": measured,
-                         "error": compare(predicted, measured),
+            rows.append({"config": label, "target_set": (strategy, world, network) in CONFIGS,
+                         "predicted": predicted, "measured": measured, "error": compare(predicted, measured),
                          "measured_step_s_repeats": [m["step_s"] for _, m in runs],
                          # enough to predict the row again offline (another model, the same runs)
                          "run_config": run.config, "environment": run.environment, "facts": facts_cache[key]})

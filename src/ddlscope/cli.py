@@ -163,7 +163,6 @@ def runs(db: DbOption = DEFAULT_DB,
          limit: Annotated[int, typer.Option(help="Show the newest N runs.")] = 50) -> None:
     """List the runs in the store, newest first."""
     with _open_store(db) as store:
-        # Names wrap rather than truncate: they are what one types back as RUN.
         # Names wrap rather than truncate (they are what one types back as RUN), so that 80 columns hold
         # a row: workload, strategy and ranks share one column.
         table = Table("id", Column("name", overflow="fold", ratio=1), Column("what", overflow="fold", ratio=1),

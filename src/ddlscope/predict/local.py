@@ -335,8 +335,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # The DDP and FSDP probes time whole steps, and the PS probe's rounds with compute hold the wait
     # for the other workers, each rank's wait included; the synchronisation probe is for what has no
     # probe of its own (every PS worker blocks on its server's answer each step, async ones too).
-    meets_every_step = ((is_ps and ps_stretch is None)
-                        or (strategy in ("ddp", "fsdp") and not machine_probe(profile, strategy, world)))
+    step_probe = strategy in ("ddp", "fsdp") and bool(machine_probe(profile, strategy, world))
+    meets_every_step = (is_ps and ps_stretch is None) or (strategy in ("ddp", "fsdp") and not step_probe)
     if strategy == "ddp":
         comm_s = _ddp_comm_s(config, param_bytes, profile, world, link)
     elif strategy == "fsdp":
@@ -353,8 +353,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         # Servers are processes on the workers' machine: their rounds run side by side only while
         # cores are free (the probe's round, one server and `clients` workers, keeps that many busy).
         side_by_side = min(servers, world) if block_cyclic else servers
-        round_s = ps_round_s(profile, clients, per_server, link, alone_s,
-                             concurrent_rounds_slowdown(side_by_side, clients, cores))
+        rounds_slowdown = concurrent_rounds_slowdown(side_by_side, clients, cores)
+        round_s = ps_round_s(profile, clients, per_server, link, alone_s, rounds_slowdown)
         if strategy == "ps-sync":
             comm_s = round_s + apply_s + flatten_s
         else:
@@ -371,8 +371,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         if block_cyclic:
             notes.append(f"ps: block-cyclic: a worker exchanges one of {servers} blocks a step")
         if servers > 1:
-            notes.append(f"ps: {side_by_side} server rounds at once share {cores} cores "
-                         f"(x{concurrent_rounds_slowdown(side_by_side, clients, cores):.2f} each)")
+            notes.append(f"ps: {side_by_side} server rounds at once share {cores} cores (x{rounds_slowdown:.2f} each)")
     elif strategy != "single":
         notes.append(f"strategy {strategy}: communication not modelled")
 
@@ -380,10 +379,10 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
     busy_s = compute_s + optimizer_s
     turn_wait_s = busy_period_s(busy_s / stretch, stretch, oversubscription) - busy_s
-    if turn_wait_s > 0 and strategy in ("ddp", "fsdp") and machine_probe(profile, strategy, world):
+    if turn_wait_s > 0 and step_probe:
         # The DDP/FSDP probe differences whole synchronised steps at this world size on these cores:
         # ranks waiting at the all-reduce for one that had no core are inside it already. Counted again
-        # here, DDP came out 7-13% slow at 4 ranks on 2 cores in every benchmark run (docs/calibrate.md).
+        # here, ddp x4 on 2 cores came out 10-29% slow in five benchmark runs (docs/calibrate.md).
         notes.append(f"{world} computing ranks on {cores} cores: the {strategy} probe's cost holds their "
                      f"turn-taking at the synchronisation")
         turn_wait_s = 0.0

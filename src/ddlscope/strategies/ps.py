@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -184,15 +185,21 @@ class ParameterServer(Strategy):
             dist.send(done, server, tag=HEADER_TAG)
 
 
-def _read_range(tensors: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-    """Elements lo..hi of the tensors flattened end to end, as one contiguous fp32 CPU tensor: only
-    the tensors a server's shard covers are copied (a block-cyclic step sends one shard)."""
-    pieces, offset = [], 0
+def _pieces(tensors: list[torch.Tensor], lo: int, hi: int) -> Iterator[tuple[torch.Tensor, int, int, int, int]]:
+    """Elements [lo, hi) of the tensors flattened end to end, tensor by tensor: (tensor, a, b, i, j)
+    where the tensor's flat elements [a, b) are the range's elements [i, j)."""
+    offset = 0
     for t in tensors:
         start, end = max(lo, offset), min(hi, offset + t.numel())
         if start < end:
-            pieces.append(t.reshape(-1)[start - offset:end - offset])
+            yield t, start - offset, end - offset, start - lo, end - lo
         offset += t.numel()
+
+
+def _read_range(tensors: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """Elements lo..hi of the tensors flattened end to end, as one contiguous fp32 CPU tensor: only
+    the tensors a server's shard covers are copied (a block-cyclic step sends one shard)."""
+    pieces = [t.reshape(-1)[a:b] for t, a, b, _, _ in _pieces(tensors, lo, hi)]
     if not pieces:  # an empty shard (more servers than elements)
         return torch.empty(0, dtype=torch.float32)
     return torch.cat(pieces).to("cpu", torch.float32)
@@ -200,15 +207,12 @@ def _read_range(tensors: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
 
 def _write_range(params: list[nn.Parameter], lo: int, values: torch.Tensor) -> None:
     """Copy `values` into the flattened parameters from element `lo` on (a server's shard)."""
-    hi, offset = lo + values.numel(), 0
     with torch.no_grad():
-        for p in params:
-            start, end = max(lo, offset), min(hi, offset + p.numel())
-            if start == offset and end == offset + p.numel():  # the whole tensor, whatever its layout
-                p.copy_(values[start - lo:end - lo].view_as(p))
-            elif start < end:  # a shard boundary cuts it: a flat view (parameters are contiguous)
-                p.view(-1)[start - offset:end - offset].copy_(values[start - lo:end - lo])
-            offset += p.numel()
+        for p, a, b, i, j in _pieces(params, lo, lo + values.numel()):
+            if b - a == p.numel():  # the whole tensor, whatever its layout
+                p.copy_(values[i:j].view_as(p))
+            else:  # a shard boundary cuts it: a flat view (parameters are contiguous)
+                p.view(-1)[a:b].copy_(values[i:j])
 
 
 @STRATEGIES.register("ps-sync")
