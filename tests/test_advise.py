@@ -90,9 +90,11 @@ def test_json_has_the_keys(capsys, tmp_path):
     assert all(isinstance(r, str) and r for r in result["reasons"])
 
 
-def _fake_run(store, strategy: str, curve: list[tuple[int, float]]) -> int:
-    run_id = store.create_run(uuid=f"u-{strategy}", name=strategy, workload="mlp-digits", strategy=strategy,
-                              world_size=2, config={}, code_version="test", seed=0, environment={})
+def _fake_run(store, strategy: str, curve: list[tuple[int, float]], seed: int = 0, world_size: int = 2,
+              config: dict | None = None) -> int:
+    run_id = store.create_run(uuid=f"u-{strategy}-{seed}-{world_size}", name=strategy, workload="mlp-digits",
+                              strategy=strategy, world_size=world_size, config=config or {}, code_version="test",
+                              seed=seed, environment={})
     store.mark_running(run_id)
     rows = [{"kind": "step", "rank": 0, "step": i, "t_s": 0.01 * i, "data_s": 0.0, "forward_s": 0.001,
              "backward_s": 0.002, "comm_wait_s": 0.0, "optimizer_s": 0.0, "step_s": 0.01, "comm_s": 0.0,
@@ -137,3 +139,36 @@ def test_advise_on_this_machine_from_its_calibration(capsys, tmp_path, monkeypat
     result = advise_json(capsys, *GPT_SMALL, "--cluster", "local:1x2", "--db", str(tmp_path / "x.db"))
     assert result["cluster"] == "local:1x2" and result["workers"] == 2
     assert all(s["cost_usd_per_step"] == 0.0 for s in result["strategies"])  # no price for this machine
+
+
+def test_staleness_penalty_is_the_median_over_comparable_runs(capsys, tmp_path):
+    from ddlscope.store import Store
+
+    db = tmp_path / "runs.db"
+    config = {"workload": {"name": "mlp-digits", "lr": 0.1}, "cluster": {"slowdown": [1.0, 2.0]}}
+    with Store(db) as store:
+        # sync finals 0.8, 0.9, 0.95: the reference is the 0.9 run, which reached it at 3000 samples
+        _fake_run(store, "ps-sync", [(1000, 0.5), (3000, 0.8)], seed=0, config=config)
+        _fake_run(store, "ps-sync", [(1000, 0.5), (2000, 0.8), (3000, 0.9)], seed=1, config=config)
+        _fake_run(store, "ps-sync", [(1000, 0.6), (3000, 0.95)], seed=2, config=config)
+        # async: 1.0x, 2.0x, never (final 0.45: 0.9/0.45 = 2.0x worse, counted as 2.0) -> median 2.0
+        _fake_run(store, "ps-async", [(1000, 0.5), (3000, 0.9)], seed=0, config=config)
+        _fake_run(store, "ps-async", [(3000, 0.8), (6000, 0.9)], seed=1, config=config)
+        _fake_run(store, "ps-async", [(3000, 0.3), (6000, 0.45)], seed=2, config=config)
+        # other settings (4 workers): not pooled with the above, whatever they say
+        _fake_run(store, "ps-async", [(3000, 0.1), (6000, 0.1)], seed=3, world_size=4, config=config)
+        _fake_run(store, "ps-sync", [(3000, 0.1), (6000, 0.1)], seed=0, world_size=4, config=config)
+        newest_ssp = _fake_run(store, "ssp", [(3000, 0.9)], seed=0, world_size=8, config=config)
+    s = by_name(advise_json(capsys, "configs/default.toml", "--cluster", "a100-80gb:1x8", "--db", str(db)))
+    penalty = s["ps-async"]["staleness_penalty"]
+    assert s["ps-async"]["staleness_factor"] == pytest.approx(1.0)  # the 4-worker run is the newest: alone
+    assert "median" not in penalty
+    with Store(db) as store:
+        _fake_run(store, "ps-async", [(1000, 0.5), (3000, 0.9)], seed=9, config=config)  # newest: 2 workers again
+    s = by_name(advise_json(capsys, "configs/default.toml", "--cluster", "a100-80gb:1x8", "--db", str(db)))
+    penalty = s["ps-async"]["staleness_penalty"]
+    # four 2-worker async runs: factors 1.0, 1.0, 2.0, 2.0 -> median 1.5
+    assert s["ps-async"]["staleness_factor"] == pytest.approx(1.5)
+    assert "median of 4 runs against the median of 3 ps-sync runs" in penalty
+    assert "from 1.00x to 2.00x" in penalty
+    assert s["ssp"]["staleness_penalty"].startswith("not measured") and str(newest_ssp) in s["ssp"]["staleness_penalty"]

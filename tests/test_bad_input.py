@@ -48,3 +48,11 @@ def test_invalid_toml_is_refused(cli, tmp_path):
 def test_show_of_unknown_run_is_one_line(cli, tmp_path):
     result = cli("show", "42", timeout_s=60)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [["--repeats", "0"], ["--repeats", "11"]])
+def test_study_refuses_repeats_out_of_range(cli, tmp_path, args):
+    result = cli("study", "paper", "--quick", *args, timeout_s=60)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "--repeats" in result.stderr and "between 1 and 10" in result.stderr
+    assert not (tmp_path / "ddlscope.db").exists()

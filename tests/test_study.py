@@ -104,3 +104,52 @@ def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
     assert any("fast network: ddp" in d for d in findings.decisions)
     assert any("Memory-bound" in d and "0.25x" in d for d in findings.decisions)
     assert any("ssp reached it in 2.2 s" in d for d in findings.decisions)
+
+
+def test_repeats_add_seeds_to_the_parameter_server_cells_only():
+    study = STUDIES.get("paper")()
+    once, thrice = study.cells(quick=True, repeats=1), study.cells(quick=True, repeats=3)
+    assert [c.key for c in thrice[:len(once)]] == [c.key for c in once]  # seed 0 keeps the stored names
+    extra = thrice[len(once):]
+    assert {c.labels["strategy"] for c in extra} == {"ps-sync", "ps-async", "ssp", "ps-stale-aware", "ps-async+mc"}
+    assert len(extra) == 2 * 5 and len({c.key for c in thrice}) == len(thrice)
+    seeds = {c.key: c.experiment.seed for c in extra}
+    assert seeds["ps-async/fast/straggler/w2/seed2"] == 2
+    compensated = next(c for c in extra if c.key == "ps-async+mc/fast/straggler/w2/seed1")
+    assert compensated.experiment.workload.momentum == 0.4
+    assert all(c.labels["group"] == c.key.rsplit("/seed", 1)[0] for c in extra)
+
+
+def test_paper_analysis_reads_the_median_of_a_cells_seeds():
+    def ps(strategy, seed, wall_s, accuracy):
+        group = f"{strategy}/fast/straggler/w2"
+        labels = {"part": "accuracy", "strategy": strategy, "network": "fast", "workers": "straggler",
+                  "world_size": 2, "group": group, "seed": seed}
+        return _result(group if seed == 0 else f"{group}/seed{seed}", labels, wall_s / 100, wall_s, accuracy)
+
+    results = [ps("ps-sync", s, w, a) for s, w, a in ((0, 3.0, 0.96), (1, 3.4, 0.95), (2, 2.8, 0.97))]
+    results += [ps("ps-async", s, w, a) for s, w, a in ((0, 2.0, 0.10), (1, 1.5, 0.90), (2, 2.2, 0.60))]
+    findings = STUDIES.get("paper")().analyse(results, quick=True)
+    measured = {h["headline"]: h for h in findings.headlines}["Async PS vs sync PS"]["measured"]
+    # medians: async 2.0 s and 60%, sync 3.0 s and 96%; not seed 0's 10%
+    assert "-33% (2.0 s vs 3.0 s)" in measured
+    assert "accuracy 60.0% (median of 3 seeds, 10.0%-90.0%, 1 at chance level)" in measured
+    assert "96.0% (median of 3 seeds, 95.0%-97.0%)" in measured
+    assert any("3 seeds" in n for n in findings.notes)
+
+
+def test_cell_table_wraps_long_cell_names_at_80_columns(monkeypatch):
+    from rich.console import Console
+
+    import ddlscope.cli as cli
+
+    key = "ps-stale-aware/fast/straggler/w2/seed2"
+    labels = {"part": "accuracy", "strategy": "ps-stale-aware", "network": "fast", "workers": "straggler",
+              "world_size": 2, "group": "ps-stale-aware/fast/straggler/w2", "seed": 2}
+    results = [_result(key, labels, 0.03, 3.0, 0.9)]
+    console = Console(width=80, record=True)
+    monkeypatch.setattr(cli, "console", console)
+    cli._print_findings("paper", results, STUDIES.get("paper")().analyse(results, quick=True))
+    text = console.export_text()
+    assert "…" not in text
+    assert "".join(line.split()[0] for line in text.splitlines()[2:4]) == key  # folded onto two lines

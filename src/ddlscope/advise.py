@@ -21,7 +21,9 @@ staleness measured in local runs from the store. See docs/advise.md.
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -170,6 +172,7 @@ class StalenessPenalty:
     final_metric_ratio: float | None = None  # async final / sync final
     samples_ratio: float | None = None  # samples async needed to reach sync's final metric / sync's samples
     factor: float = 1.0  # multiplies the step time in the ranking (more samples for the same result)
+    runs: int = 1  # async runs the factor is the median of
 
 
 def _higher_is_better(metric_name: str) -> bool:
@@ -192,31 +195,78 @@ def _samples_to_reach(curve: list[tuple[float, float]], target: float, higher: b
     return None
 
 
+def _comparable(run: Any) -> str:
+    """What must match for two runs' accuracy to be compared: the workload's settings, the world
+    size and the stragglers (staleness grows with both); seeds, networks and strategy knobs may differ."""
+    config = run.config or {}
+    cluster = config.get("cluster", {})
+    return json.dumps([config.get("workload"), run.world_size, cluster.get("slowdown")], sort_keys=True)
+
+
 def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPenalty]:
-    """Per async strategy: its latest finished local run of `workload` vs the latest ps-sync (else ddp) run."""
+    """Per async strategy: its finished local runs of `workload` with the newest settings that
+    ps-sync (else ddp) runs share, against those runs; several runs (seeds) give a median.
+
+    Asynchronous runs repeat badly (the order updates arrive in changes the result: the main
+    study's ps-async cell has ended anywhere from 10% to 91% accuracy on one seed), so one pair of
+    runs is a sample, not a measurement; `ddlscope study paper --repeats N` stores N seeds.
+    """
     missing = {s: StalenessPenalty(False, f"not measured (no store at {db})") for s in ASYNC_STRATEGIES}
     if db is None or not Path(db).exists():
         return missing
-    from ddlscope.analysis.summary import summarize
     from ddlscope.store import Store
 
     with Store(db) as store:
-        sync_runs = store.find_runs(workload=workload, strategy="ps-sync") or store.find_runs(workload=workload,
-                                                                                               strategy="ddp")
+        sync_runs = store.find_runs(workload=workload, strategy="ps-sync") + store.find_runs(workload=workload,
+                                                                                              strategy="ddp")
         if not sync_runs:
             return {s: StalenessPenalty(False, f"not measured (no finished ps-sync or ddp run of {workload})")
                     for s in ASYNC_STRATEGIES}
-        sync = sync_runs[0]
-        sync_sum = summarize(store, sync)
         out: dict[str, StalenessPenalty] = {}
         for strategy in ASYNC_STRATEGIES:
             runs = store.find_runs(workload=workload, strategy=strategy)
             if not runs:
                 out[strategy] = StalenessPenalty(False, f"not measured (no finished {strategy} run of {workload})")
                 continue
-            run = runs[0]
-            out[strategy] = _compare(store, sync, sync_sum, run, summarize(store, run))
+            sync_keys = {_comparable(r) for r in sync_runs}
+            usable = [r for r in runs if _comparable(r) in sync_keys]
+            if not usable:
+                out[strategy] = StalenessPenalty(False, f"not measured (no ps-sync or ddp run with the workload "
+                                                        f"settings, world size and stragglers of a {strategy} run; "
+                                                        f"newest: run {runs[0].id})")
+                continue
+            key = _comparable(usable[0])  # the newest settings that can be compared
+            syncs = [r for r in sync_runs if _comparable(r) == key]
+            # ps-sync is the closer reference (same server, same samples per update); ddp otherwise
+            syncs = [r for r in syncs if r.strategy == "ps-sync"] or syncs
+            out[strategy] = _pooled(store, syncs, [r for r in usable if _comparable(r) == key])
         return out
+
+
+def _pooled(store: Any, syncs: list[Any], asyncs: list[Any]) -> StalenessPenalty:
+    """Each async run against the sync run with the median final metric; the median of their factors."""
+    from ddlscope.analysis.summary import summarize
+
+    sync_summaries = [(run, summarize(store, run)) for run in syncs]
+    finals = [(_final_value(s), i) for i, (_, s) in enumerate(sync_summaries) if _final_value(s) is not None]
+    sync, sync_sum = sync_summaries[statistics.median_low(finals)[1]] if finals else sync_summaries[0]
+    penalties = [_compare(store, sync, sync_sum, run, summarize(store, run)) for run in asyncs]
+    measured = sorted((p for p in penalties if p.measured), key=lambda p: p.factor)
+    if len(measured) < 2:
+        return measured[0] if measured else penalties[0]
+    typical = measured[(len(measured) - 1) // 2]
+    typical.factor = statistics.median(p.factor for p in measured)
+    typical.runs = len(measured)
+    reference = f"the median of {len(syncs)} {sync.strategy} runs" if len(syncs) > 1 else f"{sync.strategy}"
+    typical.text = (f"{typical.factor:.2f}x, the median of {len(measured)} runs against {reference} "
+                    f"(from {measured[0].factor:.2f}x to {measured[-1].factor:.2f}x); the median run: {typical.text}")
+    return typical
+
+
+def _final_value(summary: Any) -> float | None:
+    if summary.final_eval:
+        return float(summary.final_eval["metric"])
+    return float(summary.final_loss) if summary.final_loss is not None else None
 
 
 def _compare(store: Any, sync: Any, sync_sum: Any, run: Any, run_sum: Any) -> StalenessPenalty:

@@ -43,6 +43,7 @@ err_console = Console(stderr=True)
 
 DbOption = Annotated[Path, typer.Option("--db", help="SQLite store holding runs and their rows.")]
 DEFAULT_DB = Path("ddlscope.db")
+MAX_STUDY_REPEATS = 10
 
 
 class UserError(Exception):
@@ -259,8 +260,10 @@ def trace(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uu
 @app.command()
 def study(
     name: Annotated[str, typer.Argument(help="Study name (see `ddlscope studies`); `paper` is the main study.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 5 minutes here).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 4 minutes here).")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
+    repeats: Annotated[int, typer.Option("--repeats", help="Seeds per cell whose outcome varies from run to run "
+                                         "(the parameter servers'); headlines read their medians.")] = 3,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
     db: DbOption = DEFAULT_DB,
 ) -> None:
@@ -274,8 +277,10 @@ def study(
         raise UserError(str(exc)) from None
     if db.parent and not db.resolve().parent.exists():
         raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
+    if not 1 <= repeats <= MAX_STUDY_REPEATS:
+        raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_STUDY_REPEATS}")
     report_path = output or Path(f"{name}-report.html")
-    cells = study_obj.cells(quick)
+    cells = study_obj.cells(quick, repeats)
     show = console.is_terminal
     with Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not show) as bar:
@@ -319,7 +324,9 @@ def studies() -> None:
 def _print_findings(name: str, results: list[Any], findings: Any) -> None:
     reused = sum(r.reused for r in results)
     console.print(f"[bold]study {name}[/bold]: {len(results)} cells ({reused} reused from the store)")
-    cells = Table("cell", "step ms", "speedup", "accuracy", "wall s", "staleness", box=None, pad_edge=False)
+    # A cell's key is what the store names its run (paper:KEY): wrapped, never cut to '…'
+    cells = Table(Column("cell", overflow="fold"), "step ms", "speedup", "accuracy", "wall s", "staleness",
+                  box=None, pad_edge=False)
     single = next((r for r in results if r.cell.labels.get("strategy") == "single"), None)
     for r in results:
         s = r.summary

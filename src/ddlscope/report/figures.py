@@ -293,22 +293,33 @@ def memory_bars(labels: Sequence[str], memory: Sequence[Mapping[str, int]],
 # ---------------------------------------------------------------------------- metric curves
 @_styled
 def metric_curves(curves: Mapping[str, Sequence[Mapping[str, Any]]], metric_name: str = "metric",
-                  title: str | None = None, target: float | None = None) -> str | None:
+                  title: str | None = None, target: float | None = None,
+                  groups: Mapping[str, str] | None = None) -> str | None:
     """The eval metric vs wall time (s) and vs samples seen, one line per run.
 
     Each curve is a list of points with keys `wall_s`, `samples_seen`, `metric`.
+    `groups` maps a curve to its group (e.g. one cell's seeds): a group's lines
+    share a colour and one legend entry, "NAME (N runs)", the first in bold.
     """
     curves = {k: [p for p in pts if not math.isnan(_num(p.get("metric")))] for k, pts in curves.items()}
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
         return None
+    group_of = {name: (groups or {}).get(name, name) for name in curves}
+    members = {g: [n for n in curves if group_of[n] == g] for g in dict.fromkeys(group_of.values())}
+    colour = {g: color(i) for i, g in enumerate(members)}
     fig, axes = _figure(10, 3.4, ncols=2, sharey=True)
     for ax, key, xlabel in ((axes[0][0], "wall_s", "training wall time (s)"),
                             (axes[0][1], "samples_seen", "samples seen")):
-        for i, (name, pts) in enumerate(curves.items()):
+        for name, pts in curves.items():
+            group = members[group_of[name]]
+            first = name == group[0]
+            label = (group_of[name] if len(group) == 1 else f"{group_of[name]} ({len(group)} runs)") if first \
+                else None
             xs = [_num(p.get(key)) for p in pts]
-            ax.plot(xs, [_num(p["metric"]) for p in pts], marker="o", markersize=3, color=color(i),
-                    label=_shorten(name, 40))
+            ax.plot(xs, [_num(p["metric"]) for p in pts], marker="o", markersize=3 if first else 2,
+                    lw=1.5 if first else 0.8, alpha=1.0 if first else 0.55, color=colour[group_of[name]],
+                    label=_shorten(label, 40) if label else None)
         if target is not None:
             ax.axhline(target, color="#555", lw=0.9, ls="--", label=f"target {target:g}")
         ax.set_xlabel(xlabel)

@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
 
@@ -182,7 +182,7 @@ def _fig_memory(data: Sequence[RunData], title: str) -> list[str]:
 
 
 def _fig_curves(data: Sequence[RunData], title: str | None = None, target: float | None = None,
-                labels: Sequence[str] | None = None) -> list[dict[str, Any]]:
+                labels: Sequence[str] | None = None, groups: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """One metric figure per metric name (runs of different workloads can differ)."""
     by_metric: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for i, d in enumerate(data):
@@ -190,7 +190,7 @@ def _fig_curves(data: Sequence[RunData], title: str | None = None, target: float
             by_metric.setdefault(d.metric_name or "metric", {})[labels[i] if labels else d.label] = d.curve
     out = []
     for metric, curves in by_metric.items():
-        uri = figures.metric_curves(curves, metric, title=title, target=target)
+        uri = figures.metric_curves(curves, metric, title=title, target=target, groups=groups)
         if uri:
             out.append({"uri": uri, "metric": metric})
     return out
@@ -428,21 +428,26 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
             lab = c.get("labels", {})
             sizes_per_strategy.setdefault(str(lab.get("strategy", d.run.strategy)), set()).add(
                 int(lab.get("world_size", d.run.world_size)))
-        line_labels = []
+        line_labels, line_groups = [], {}
         for c, d in members:
             lab = c.get("labels", {})
             strategy = str(lab.get("strategy", d.run.strategy))
             ws = int(lab.get("world_size", d.run.world_size))
-            line_labels.append(strategy if len(sizes_per_strategy[strategy]) == 1 else f"{strategy} w{ws}")
+            label = strategy if len(sizes_per_strategy[strategy]) == 1 else f"{strategy} w{ws}"
+            line_labels.append(f"{label} seed {lab['seed']}" if lab.get("seed") else label)
+            line_groups[line_labels[-1]] = label  # a cell's seeds: one colour, one legend entry
         targets = {c.get("labels", {}).get("target_metric") for c, _ in members} - {None}
         group_title = " · ".join(x for x in (f"network {network}" if network else "",
                                              f"{workers} workers" if workers else "") if x)
         for fig in _fig_curves([d for _, d in members], title=group_title or None,
-                               target=float(next(iter(targets))) if len(targets) == 1 else None, labels=line_labels):
+                               target=float(next(iter(targets))) if len(targets) == 1 else None, labels=line_labels,
+                               groups=line_groups):
             curve_figs.append({**fig, "group": group_title})
 
     ps = [d for d in data if d.is_ps]
-    stale_uri, share_uri = _fig_ps(ps) if ps else (None, None)
+    # Seed 0 of each cell: the other seeds' staleness and server load look the same (the cell table has them)
+    ps_figures = [d for c, d in zip(cells, data) if d.is_ps and not c.get("labels", {}).get("seed")]
+    stale_uri, share_uri = _fig_ps(ps_figures) if ps_figures else (None, None)
     all_notes = list(notes) + [n for n in _merge_notes(("", n) for d in data for n in d.summary.notes)
                                if n not in notes]
     context = {

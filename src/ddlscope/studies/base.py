@@ -41,8 +41,8 @@ class Study(ABC):
     description: ClassVar[str]
 
     @abstractmethod
-    def cells(self, quick: bool) -> list[Cell]:
-        """The experiments, in the order they run."""
+    def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
+        """The experiments, in the order they run; `repeats` seeds for the cells whose outcome varies run to run."""
 
     @abstractmethod
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:

@@ -12,7 +12,8 @@ a few steps, where model states dominate.
 from __future__ import annotations
 
 import math
-from typing import Any
+import statistics
+from typing import Any, Callable
 
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell
@@ -25,6 +26,8 @@ ACCURACY_WORKLOAD: dict[str, Any] = {
     "lr": 0.1, "momentum": 0.9,
 }
 TARGET_ACCURACY = 0.95
+# Ten digit classes: a run below twice the 10% of guessing has diverged, not merely trained less.
+CHANCE_LEVEL_ACCURACY = 0.2
 MEMORY_WORKLOAD: dict[str, Any] = {
     "name": "gpt-synthetic", "layers": 8, "hidden": 512, "heads": 8, "seq_len": 32, "vocab_size": 256,
     "samples": 64, "batch_size": 8, "steps": 3, "optimizer": "adamw", "lr": 1e-4,
@@ -43,21 +46,41 @@ DISTRIBUTED = ("ddp", "fsdp", "ps-sync", "ps-async", "ssp", "ps-stale-aware")
 PS_FAMILY = ("ps-sync", "ps-async", "ssp", "ps-stale-aware")
 
 
-def accuracy_cell(strategy: str, network: str, workers: str, world: int, variant: str = "") -> Cell:
+def accuracy_cell(strategy: str, network: str, workers: str, world: int, variant: str = "", seed: int = 0) -> Cell:
     slowdown = [1.0] * (world - 1) + [STRAGGLER_SLOWDOWN] if workers == "straggler" else []
     workload = dict(ACCURACY_WORKLOAD)
     if variant == MOMENTUM_COMPENSATED:
         workload["momentum"] = compensated_momentum(workload["momentum"], world)
     raw = {
-        "seed": 0,
+        "seed": seed,
         "workload": workload,
         "strategy": {"name": strategy, **KNOBS.get(strategy, {})},
         "cluster": {"world_size": world, "network": NETWORKS[network], "slowdown": slowdown},
     }
     name = f"{strategy}+{variant}" if variant else strategy
+    group = f"{name}/{network}/{workers}/w{world}"
     labels = {"part": "accuracy", "strategy": name, "network": network, "workers": workers,
-              "world_size": world, "target_metric": TARGET_ACCURACY}
-    return build_cell(f"{name}/{network}/{workers}/w{world}", labels, raw)
+              "world_size": world, "target_metric": TARGET_ACCURACY, "group": group, "seed": seed}
+    # Seed 0 keeps the plain key, so that runs stored before repeats existed are reused.
+    return build_cell(group if seed == 0 else f"{group}/seed{seed}", labels, raw)
+
+
+def repeated(cells: list[Cell], repeats: int) -> list[Cell]:
+    """Seeds 1..repeats-1 of the parameter-server accuracy cells, run after every seed-0 cell.
+
+    A server applies updates in the order they arrive, so these cells' accuracy
+    and wall time change from run to run even with one seed (the main study's
+    plain ps-async cell has finished anywhere between 10% and 91% accuracy);
+    the headlines read their medians. The other cells repeat to within noise.
+    """
+    out = []
+    for cell in cells:
+        labels = cell.labels
+        if labels["part"] == "accuracy" and labels["strategy"].split("+")[0] in PS_FAMILY:
+            variant = labels["strategy"].partition("+")[2]
+            out += [accuracy_cell(labels["strategy"].split("+")[0], labels["network"], labels["workers"],
+                                  labels["world_size"], variant, seed) for seed in range(1, repeats)]
+    return out
 
 
 MOMENTUM_COMPENSATED = "mc"
@@ -77,14 +100,14 @@ def compensated_momentum(momentum: float, workers: int) -> float:
 def baseline_cell() -> Cell:
     raw = {"seed": 0, "workload": ACCURACY_WORKLOAD, "strategy": {"name": "single"}, "cluster": {"world_size": 1}}
     labels = {"part": "accuracy", "strategy": "single", "network": "none", "workers": "homogeneous",
-              "world_size": 1, "target_metric": TARGET_ACCURACY}
+              "world_size": 1, "target_metric": TARGET_ACCURACY, "group": "single/w1", "seed": 0}
     return build_cell("single/w1", labels, raw)
 
 
 def memory_cell(strategy: str, world: int) -> Cell:
     raw = {"seed": 0, "workload": MEMORY_WORKLOAD, "strategy": {"name": strategy}, "cluster": {"world_size": world}}
     labels = {"part": "memory", "strategy": strategy, "network": "local", "workers": "homogeneous",
-              "world_size": world}
+              "world_size": world, "group": f"memory/{strategy}/w{world}", "seed": 0}
     return build_cell(f"memory/{strategy}/w{world}", labels, raw)
 
 
@@ -92,7 +115,7 @@ def memory_cell(strategy: str, world: int) -> Cell:
 class PaperStudy(Study):
     description = "the main study: DDP vs FSDP vs parameter servers on fast/slow networks, with stragglers"
 
-    def cells(self, quick: bool) -> list[Cell]:
+    def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
         cells = [baseline_cell()]
         if quick:
             # The cells each headline needs, at 2 workers (2 ranks on this machine's 2 cores
@@ -104,13 +127,13 @@ class PaperStudy(Study):
             cells += [accuracy_cell(s, "fast", "straggler", QUICK_WORKERS) for s in PS_FAMILY]
             cells.append(accuracy_cell("ps-async", "fast", "straggler", QUICK_WORKERS, MOMENTUM_COMPENSATED))
             cells += [memory_cell(s, 4) for s in ("ddp", "fsdp")]
-            return cells
-        cells += [accuracy_cell(s, n, w, world) for world in (2, 4) for n in NETWORKS
-                  for w in ("homogeneous", "straggler") for s in DISTRIBUTED]
-        cells += [accuracy_cell("ps-async", n, "straggler", world, MOMENTUM_COMPENSATED)
-                  for world in (2, 4) for n in NETWORKS]
-        cells += [memory_cell(s, world) for world in (2, 4) for s in ("ddp", "fsdp")]
-        return cells
+        else:
+            cells += [accuracy_cell(s, n, w, world) for world in (2, 4) for n in NETWORKS
+                      for w in ("homogeneous", "straggler") for s in DISTRIBUTED]
+            cells += [accuracy_cell("ps-async", n, "straggler", world, MOMENTUM_COMPENSATED)
+                      for world in (2, 4) for n in NETWORKS]
+            cells += [memory_cell(s, world) for world in (2, 4) for s in ("ddp", "fsdp")]
+        return cells + repeated(cells, repeats)
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
         return _Analysis(results).findings()
@@ -118,10 +141,16 @@ class PaperStudy(Study):
 
 class _Analysis:
     def __init__(self, results: list[CellResult]):
-        self.by_key = {r.cell.key: r for r in results}
         self.results = results
+        # A cell's seeds form one group; its seed-0 result stands for the group, and the
+        # step, wall time and accuracy read through it are the group's medians.
+        self.groups: dict[str, list[CellResult]] = {}
+        for r in results:
+            self.groups.setdefault(_group(r), []).append(r)
+        self.by_key = {key: members[0] for key, members in self.groups.items()}
+        self.cells = list(self.by_key.values())
         self.single = self.by_key.get("single/w1")
-        worlds = [r.cell.labels["world_size"] for r in results
+        worlds = [r.cell.labels["world_size"] for r in self.cells
                   if r.cell.labels["part"] == "accuracy" and r.cell.labels["strategy"] != "single"]
         # Headlines compare cells at the fewest workers: with more, ranks (and servers) outnumber
         # this machine's cores and wall clocks measure the sharing as much as the strategy.
@@ -137,19 +166,33 @@ class _Analysis:
     def get_on(self, strategy: str, network: str, workers: str) -> CellResult | None:
         return self.by_key.get(f"{strategy}/{network}/{workers}/w{getattr(self, 'world', QUICK_WORKERS)}")
 
-    def speedup(self, r: CellResult | None) -> float | None:
-        if r is None or self.single is None:
+    def _median(self, r: CellResult | None, value: Callable[[CellResult], float | None]) -> float | None:
+        if r is None:
             return None
-        base, mine = self.single.summary.effective_step_s, r.summary.effective_step_s
+        values = [v for v in (value(m) for m in self.groups[_group(r)]) if v is not None]
+        return statistics.median(values) if values else None
+
+    def step(self, r: CellResult | None) -> float | None:
+        return self._median(r, lambda m: m.summary.effective_step_s)
+
+    def wall(self, r: CellResult | None) -> float | None:
+        return self._median(r, lambda m: m.summary.effective_wall_s)
+
+    def accuracy(self, r: CellResult | None) -> float | None:
+        return self._median(r, _final_accuracy)
+
+    def accuracy_spread(self, r: CellResult | None) -> str:
+        """'' for one seed; else the seeds' range, and how many ended at chance level."""
+        accuracies = [a for a in (_final_accuracy(m) for m in self.groups[_group(r)]) if a is not None] if r else []
+        if len(accuracies) < 2:
+            return ""
+        text = f"median of {len(accuracies)} seeds, {min(accuracies):.1%}-{max(accuracies):.1%}"
+        failed = sum(a < CHANCE_LEVEL_ACCURACY for a in accuracies)
+        return text + (f", {failed} at chance level" if failed else "")
+
+    def speedup(self, r: CellResult | None) -> float | None:
+        base, mine = self.step(self.single), self.step(r)
         return base / mine if base and mine else None
-
-    @staticmethod
-    def accuracy(r: CellResult | None) -> float | None:
-        return r.summary.final_eval["metric"] if r and r.summary.final_eval else None
-
-    @staticmethod
-    def wall(r: CellResult | None) -> float | None:
-        return r.summary.effective_wall_s if r else None
 
     @staticmethod
     def model_state_bytes(r: CellResult | None) -> float | None:
@@ -213,8 +256,8 @@ class _Analysis:
                 "measured": measured, "verdict": verdict}
 
     def _fsdp_slowdown(self) -> dict[str, str] | None:
-        slow = _ratio(_step(self.get("fsdp", "slow")), _step(self.get("ddp", "slow")))
-        fast = _ratio(_step(self.get("fsdp", "fast")), _step(self.get("ddp", "fast")))
+        slow = _ratio(self.step(self.get("fsdp", "slow")), self.step(self.get("ddp", "slow")))
+        fast = _ratio(self.step(self.get("fsdp", "fast")), self.step(self.get("ddp", "fast")))
         if slow is None:
             return None
         if slow <= 1:
@@ -236,13 +279,14 @@ class _Analysis:
         acc_sync, acc_async = self.accuracy(sync), self.accuracy(asyn)
         loss_pts = (acc_sync - acc_async) * 100
         measured = (f"with a 2x straggler ({self.ps_network} network, {self.world} workers): wall time {-gain:+.0%} "
-                    f"({self.wall(asyn):.1f} s vs {self.wall(sync):.1f} s), accuracy {acc_async:.1%} vs "
-                    f"{acc_sync:.1%} ({loss_pts:+.1f} points lost)")
+                    f"({self.wall(asyn):.1f} s vs {self.wall(sync):.1f} s), accuracy {acc_async:.1%}"
+                    f"{_parenthesised(self.accuracy_spread(asyn))} vs {acc_sync:.1%}"
+                    f"{_parenthesised(self.accuracy_spread(sync))} ({loss_pts:+.1f} points lost)")
         compensated = self.get(f"ps-async+{MOMENTUM_COMPENSATED}", self.ps_network, "straggler")
         if compensated is not None:
             measured += (f"; with momentum lowered to {compensated.run.config['workload']['momentum']} for "
-                         f"asynchrony's implicit momentum: {self.accuracy(compensated):.1%} in "
-                         f"{self.wall(compensated):.1f} s")
+                         f"asynchrony's implicit momentum: {self.accuracy(compensated):.1%}"
+                         f"{_parenthesised(self.accuracy_spread(compensated))} in {self.wall(compensated):.1f} s")
         verdict = ("agrees: async is faster and less accurate" if gain > 0 and loss_pts > 0 else
                    "agrees on speed; no accuracy loss at this scale" if gain > 0 else
                    "differs: async was not faster here")
@@ -257,8 +301,8 @@ class _Analysis:
         if not (sync and asyn and aware):
             return None
         measured = (f"wall {self.wall(aware):.1f} s (async {self.wall(asyn):.1f}, sync {self.wall(sync):.1f}); "
-                    f"accuracy {self.accuracy(aware):.1%} (async {self.accuracy(asyn):.1%}, sync "
-                    f"{self.accuracy(sync):.1%})")
+                    f"accuracy {self.accuracy(aware):.1%}{_parenthesised(self.accuracy_spread(aware))} (async "
+                    f"{self.accuracy(asyn):.1%}, sync {self.accuracy(sync):.1%})")
         recovered = self.accuracy(aware) >= self.accuracy(asyn)
         slower = self.wall(aware) > self.wall(asyn)
         verdict = ("agrees: it recovers accuracy and pays for it in time" if recovered and slower else
@@ -270,25 +314,25 @@ class _Analysis:
     # -- decisions -------------------------------------------------------------
     def _decisions(self) -> list[str]:
         out = []
-        homogeneous = [r for r in self.results if r.cell.labels["part"] == "accuracy"
+        homogeneous = [r for r in self.cells if r.cell.labels["part"] == "accuracy"
                        and r.cell.labels["workers"] == "homogeneous" and r.cell.labels["world_size"] == self.world]
         for network in NETWORKS:
             cands = [r for r in homogeneous if r.cell.labels["network"] == network
                      and (self.accuracy(r) or 0) >= TARGET_ACCURACY]
             if cands:
-                best = min(cands, key=lambda r: r.summary.effective_step_s or math.inf)
+                best = min(cands, key=lambda r: self.step(r) or math.inf)
                 out.append(f"Homogeneous, gang-scheduled workers on the {network} network: "
                            f"{best.cell.labels['strategy']}, the fastest step "
-                           f"({best.summary.effective_step_s * 1e3:.1f} ms) among strategies reaching "
+                           f"({(self.step(best) or 0) * 1e3:.1f} ms) among strategies reaching "
                            f"{TARGET_ACCURACY:.0%} accuracy.")
         states = _ratio(self.model_state_bytes(self.by_key.get("memory/fsdp/w4")),
                         self.model_state_bytes(self.by_key.get("memory/ddp/w4")))
-        slow = _ratio(_step(self.get("fsdp", "slow")), _step(self.get("ddp", "slow")))
+        slow = _ratio(self.step(self.get("fsdp", "slow")), self.step(self.get("ddp", "slow")))
         if states is not None:
             out.append(f"Memory-bound (the model states do not fit one device): FSDP, which held {states:.2f}x "
                        f"of DDP's model-state bytes per rank; expect {_fmt(slow, 'x')} DDP's step time on a slow "
                        "network, so use it only when DDP does not fit.")
-        stragglers = [r for r in self.results if r.cell.labels["workers"] == "straggler"
+        stragglers = [r for r in self.cells if r.cell.labels["workers"] == "straggler"
                       and r.cell.labels["network"] == self.ps_network and r.cell.labels["world_size"] == self.world]
         if stragglers:
             fastest = min(stragglers, key=lambda r: self.wall(r) or math.inf)
@@ -316,6 +360,11 @@ class _Analysis:
     def _notes(self) -> list[str]:
         notes = sorted({n for r in self.results for n in r.summary.notes
                         if "shared" in n or "emulated" in n})
+        seeds = max(len(members) for members in self.groups.values())
+        if seeds > 1:
+            notes.append(f"Parameter-server cells ran with {seeds} seeds (their updates apply in arrival order, so "
+                         "accuracy and wall time change from run to run); headlines and decisions read the "
+                         "medians, and the cell table lists every seed.")
         if self.more_workers:
             notes.append(f"Headlines read the {self.world}-worker cells; the {', '.join(map(str, self.more_workers))}-"
                          "worker cells (more ranks than cores here) are in the cell table.")
@@ -326,8 +375,16 @@ class _Analysis:
         ]
 
 
-def _step(r: CellResult | None) -> float | None:
-    return r.summary.effective_step_s if r else None
+def _group(r: CellResult) -> str:
+    return str(r.cell.labels.get("group", r.cell.key))
+
+
+def _final_accuracy(r: CellResult) -> float | None:
+    return r.summary.final_eval["metric"] if r.summary.final_eval else None
+
+
+def _parenthesised(text: str) -> str:
+    return f" ({text})" if text else ""
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
