@@ -116,7 +116,7 @@ def test_repeats_add_seeds_to_the_parameter_server_cells_only():
     seeds = {c.key: c.experiment.seed for c in extra}
     assert seeds["ps-async/fast/straggler/w2/seed2"] == 2
     compensated = next(c for c in extra if c.key == "ps-async+mc/fast/straggler/w2/seed1")
-    assert compensated.experiment.workload.momentum == 0.4
+    assert compensated.experiment.workload.momentum == compensated_momentum(0.8, 2) == 0.3
     assert all(c.labels["group"] == c.key.rsplit("/seed", 1)[0] for c in extra)
 
 

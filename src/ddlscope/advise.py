@@ -208,7 +208,7 @@ def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPe
     ps-sync (else ddp) runs share, against those runs; several runs (seeds) give a median.
 
     Asynchronous runs repeat badly (the order updates arrive in changes the result: the main
-    study's ps-async cell has ended anywhere from 10% to 91% accuracy on one seed), so one pair of
+    study's ps-async cell, with momentum 0.9, ended anywhere from 10% to 91% accuracy on one seed), so one pair of
     runs is a sample, not a measurement; `ddlscope study paper --repeats N` stores N seeds.
     """
     missing = {s: StalenessPenalty(False, f"not measured (no store at {db})") for s in ASYNC_STRATEGIES}

@@ -19,11 +19,14 @@ from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell
 
 # Batch 256 gives each rank as much compute per byte of gradient as digits
-# allow; 100 steps (~18 epochs) of SGD with the usual momentum 0.9 reach 95%
-# test accuracy when training is synchronous.
+# allow; 100 steps (~18 epochs) of SGD reach 95% test accuracy when training
+# is synchronous. Momentum 0.8 because the baseline must reach that on every
+# seed: one process, 5 seeds, lr 0.1 ended at 96.1-97.2% with momentum 0.8
+# but 80.6-96.4% with 0.9 (2 of 5 reached 95%; lr 0.05 with 0.9: 94.7-96.1%).
+# Chosen on the synchronous baseline alone, before any asynchronous run.
 ACCURACY_WORKLOAD: dict[str, Any] = {
     "name": "cnn-digits", "channels": 16, "batch_size": 256, "steps": 100, "eval_every": 20,
-    "lr": 0.1, "momentum": 0.9,
+    "lr": 0.1, "momentum": 0.8,
 }
 TARGET_ACCURACY = 0.95
 # Ten digit classes: a run below twice the 10% of guessing has diverged, not merely trained less.
@@ -69,9 +72,10 @@ def repeated(cells: list[Cell], repeats: int) -> list[Cell]:
     """Seeds 1..repeats-1 of the parameter-server accuracy cells, run after every seed-0 cell.
 
     A server applies updates in the order they arrive, so these cells' accuracy
-    and wall time change from run to run even with one seed (the main study's
-    plain ps-async cell has finished anywhere between 10% and 91% accuracy);
-    the headlines read their medians. The other cells repeat to within noise.
+    and wall time change from run to run even with one seed (the plain ps-async
+    cell, with momentum 0.9, finished anywhere between 10% and 91% accuracy);
+    the headlines read their medians. The other cells compute the same SGD on
+    every run of a seed.
     """
     out = []
     for cell in cells:
@@ -291,8 +295,8 @@ class _Analysis:
                    "agrees on speed; no accuracy loss at this scale" if gain > 0 else
                    "differs: async was not faster here")
         if loss_pts > 17:
-            verdict += ("; the loss exceeds the paper's 4-17 points: with momentum 0.9, asynchrony's implicit "
-                        "momentum pushes the total past stability")
+            verdict += (f"; the loss exceeds the paper's 4-17 points: with momentum {ACCURACY_WORKLOAD['momentum']}, "
+                        "asynchrony's implicit momentum pushes the total past stability")
         return {"headline": "Async PS vs sync PS", "paper": "up to 28% less wall-clock time, 4-17% lower accuracy",
                 "measured": measured, "verdict": verdict}
 
