@@ -194,6 +194,20 @@ class _Analysis:
         failed = sum(a < CHANCE_LEVEL_ACCURACY for a in accuracies)
         return text + (f", {failed} at chance level" if failed else "")
 
+    def _walls(self, r: CellResult) -> list[float]:
+        return [w for w in (m.summary.effective_wall_s for m in self.groups[_group(r)]) if w is not None]
+
+    def walls_overlap(self, a: CellResult, b: CellResult) -> bool:
+        """Whether two cells' seeds ran in overlapping wall times (never, for one seed each)."""
+        wa, wb = self._walls(a), self._walls(b)
+        if len(wa) < 2 and len(wb) < 2 or not wa or not wb:
+            return False
+        return min(wa) <= max(wb) and min(wb) <= max(wa)
+
+    def wall_range(self, r: CellResult) -> str:
+        walls = self._walls(r)
+        return f"{min(walls):.1f}-{max(walls):.1f} s" if walls else "n/a"
+
     def speedup(self, r: CellResult | None) -> float | None:
         base, mine = self.step(self.single), self.step(r)
         return base / mine if base and mine else None
@@ -294,6 +308,9 @@ class _Analysis:
         verdict = ("agrees: async is faster and less accurate" if gain > 0 and loss_pts > 0 else
                    "agrees on speed; no accuracy loss at this scale" if gain > 0 else
                    "differs: async was not faster here")
+        if gain > 0 and self.walls_overlap(asyn, sync):
+            verdict += (f" (but the speed-up is within the seeds' spread: {self.wall_range(asyn)} against "
+                        f"{self.wall_range(sync)})")
         if loss_pts > 17:
             verdict += (f"; the loss exceeds the paper's 4-17 points: with momentum {ACCURACY_WORKLOAD['momentum']}, "
                         "asynchrony's implicit momentum pushes the total past stability")
@@ -353,11 +370,16 @@ class _Analysis:
             sync = self.get("ps-sync", self.ps_network, "straggler")
             if servers and sync:
                 best_ps = min(servers, key=lambda r: self.wall(r) or math.inf)
-                pays = self.wall(best_ps) < self.wall(sync)
+                ahead, behind = self.wall(best_ps) or 0.0, self.wall(sync) or 0.0
+                if ahead < behind and not self.walls_overlap(best_ps, sync):
+                    verdict = "workers run ahead pays when the staleness stays bounded"
+                elif ahead < behind:
+                    verdict = ("workers run ahead made no clear difference here: the seeds' wall times overlap "
+                               f"({self.wall_range(best_ps)} against {self.wall_range(sync)})")
+                else:
+                    verdict = "workers run ahead did not pay here; waiting for the straggler was cheaper"
                 sentence += (f". Among parameter servers, {best_ps.cell.labels['strategy']} reached it in "
-                             f"{self.wall(best_ps):.1f} s against ps-sync's {self.wall(sync):.1f} s: letting fast "
-                             + ("workers run ahead pays when the staleness stays bounded" if pays else
-                                "workers run ahead did not pay here; waiting for the straggler was cheaper"))
+                             f"{ahead:.1f} s against ps-sync's {behind:.1f} s: letting fast " + verdict)
             out.append(sentence + ".")
         return out
 
