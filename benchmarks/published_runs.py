@@ -7,7 +7,11 @@ catalogue.toml) for the value that predicts these runs without bias, and
 shows what that value does to the REFERENCE.md rows the tests check, which
 are held out of the search. Last, published speed-ups between two runs of
 one setup (selective vs full recomputation; weak scaling), which test the
-mechanisms whatever the efficiency constants are.
+mechanisms whatever the efficiency constants are; and, per software stack,
+each run in turn setting the constant (as `ddlscope predict
+--measured-step-s` does for a user's own run) with the error on the others
+(REFERENCE.md's rows included there: they are predicted, not fitted, except
+the one run that sets its stack's constant).
 
     .venv/bin/python benchmarks/published_runs.py [--sustained X] [--fit] [--ratio-batches]
 
@@ -29,7 +33,7 @@ from dataclasses import dataclass, replace
 from rich.console import Console
 from rich.table import Table
 
-from ddlscope.predict import ModelSpec, ParallelSpec, parse_cluster, predict
+from ddlscope.predict import ModelSpec, ParallelSpec, fit_sustained_fraction, parse_cluster, predict
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.specs import ConfigError
 
@@ -63,7 +67,7 @@ def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp
                model, tp, pp, gpus // (tp * pp), "tflops", tflops)
 
 
-INDEPENDENT = [
+MEGATRON_2021 = [
     megatron_2021("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
     megatron_2021("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
     megatron_2021("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
@@ -74,6 +78,8 @@ INDEPENDENT = [
     megatron_2021("310B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
     megatron_2021("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
     megatron_2021("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+BLOOM = [
     # BigScience 2022: BLOOM-176B on 384 A100 80GB (48 nodes), TP 4, PP 12, DP 8, micro-batch 2, global
     # batch 2048, seq 2048, ~150 TFLOP/s per GPU, Megatron-DeepSpeed with ZeRO-1. Its 70 layers are
     # taken as 72 so that 12 stages divide them (the model has no uneven stages).
@@ -84,23 +90,26 @@ INDEPENDENT = [
 ]
 
 # REFERENCE.md's rows (the tests check them within 15%): held out of --fit.
-HELD_OUT = [
+MT_NLG = [
     Run(f"MT-NLG 530B, {g} A100", "REFERENCE.md (Smith et al. 2022)", f"a100-80gb:{g // 8}x8",
         ModelSpec(hidden=20480, heads=128, layers=105, seq=2048, vocab=51200, global_batch=1920,
                   attention="unfused", dtype="fp16"),
         8, 35, g // 280, "tflops", tflops, micro_batches=(1,), interleaves=(1,), zero=1)
     for g, tflops in ((2240, 126), (2800, 121), (3360, 113))
-] + [
+]
+MPT_13B = [
     Run(f"MosaicML MPT-13B, {g} H100", "REFERENCE.md (llm-foundry)", f"h100:{g // 8}x8",
         ModelSpec(hidden=5120, heads=40, layers=40, seq=2048, vocab=50368, global_batch=2 * g * 4),
         1, 1, g, "mfu", mfu, micro_batches=(2,), interleaves=(1,), recompute="none", zero=3)
     for g, mfu in ((8, 0.398), (16, 0.396), (32, 0.400), (64, 0.399))
-] + [
+]
+MPT_70B = [
     Run(f"MosaicML MPT-70B, {g} H100", "REFERENCE.md (llm-foundry)", f"h100:{g // 8}x8",
         ModelSpec(hidden=8192, heads=64, layers=80, seq=2048, vocab=50368, global_batch=mb * g * 4),
         1, 1, g, "mfu", mfu, micro_batches=(mb,), interleaves=(1,), recompute="full", zero=3)
     for g, mb, mfu in ((32, 2, 0.362), (64, 8, 0.426))
 ]
+HELD_OUT = MT_NLG + MPT_13B + MPT_70B
 
 
 @dataclass(frozen=True)
@@ -130,8 +139,20 @@ def korthikanti_530b(global_batch: int, recompute: str, sequence_parallel: bool)
 RATIO_BATCH = 1920
 
 # The same two runs as absolute MFUs: Megatron-LM a year after Table 1, on MT-NLG's model and GPU count.
-INDEPENDENT += [replace(korthikanti_530b(RATIO_BATCH, "full", False), published=0.421),
-                replace(korthikanti_530b(RATIO_BATCH, "selective", True), published=0.542)]
+MEGATRON_2022 = [replace(korthikanti_530b(RATIO_BATCH, "full", False), published=0.421),
+                 replace(korthikanti_530b(RATIO_BATCH, "selective", True), published=0.542)]
+INDEPENDENT = MEGATRON_2021 + BLOOM + MEGATRON_2022
+
+# Runs of one software stack (one code base, one year): one of them can set the stack's
+# sustained_fraction (`predict --measured-step-s`), and the others test the mechanisms that carry
+# it to other models, sizes and parallelisms.
+STACKS = {
+    "Megatron-LM 2021 (Narayanan et al.)": MEGATRON_2021,
+    "Megatron-LM 2022 (Korthikanti et al.)": MEGATRON_2022,
+    "MT-NLG (DeepSpeed + Megatron, 2021)": MT_NLG,
+    "MosaicML MPT-13B (llm-foundry)": MPT_13B,
+    "MosaicML MPT-70B (llm-foundry)": MPT_70B,
+}
 
 
 def ratios(global_batch: int = RATIO_BATCH) -> list[Ratio]:
@@ -155,10 +176,33 @@ def ratio_table(rows: list[Ratio], sustained: float | None) -> tuple[Table, list
 
 
 def with_sustained(cluster: Cluster, sustained: float | None) -> Cluster:
-    if sustained is None:
-        return cluster
-    device = cluster.device
-    return replace(cluster, device=replace(device, efficiency=replace(device.efficiency, sustained_fraction=sustained)))
+    return cluster if sustained is None else cluster.with_sustained_fraction(sustained)
+
+
+def fitted_to(run: Run) -> float:
+    """The sustained_fraction at which `run`'s published figure is predicted exactly (the metric is
+    FLOPs over time, so matching it matches the step time)."""
+    device = parse_cluster(run.cluster).device
+    return fit_sustained_fraction(lambda f: 1.0 / predicted(run, f)[0], 1.0 / run.published, device)
+
+
+def one_run_calibration(stacks: dict[str, list[Run]]) -> tuple[Table, dict[str, list[float]]]:
+    """Per stack, each run in turn sets the constant and the others are predicted with it."""
+    t = Table("stack", "runs", "constant set by one run", "mean |error| of the others", "worst",
+              title="one run of the stack sets sustained_fraction (predict --measured-step-s)")
+    per_stack: dict[str, list[float]] = {}
+    for name, runs in stacks.items():
+        fractions, means, worst = [], [], 0.0
+        for i, calibration_run in enumerate(runs):
+            fraction = fitted_to(calibration_run)
+            others = [predicted(r, fraction)[0] / r.published - 1 for j, r in enumerate(runs) if j != i]
+            fractions.append(fraction)
+            means.append(statistics.fmean(abs(e) for e in others))
+            worst = max(worst, *others, key=abs)
+        per_stack[name] = means
+        t.add_row(name, str(len(runs)), f"{min(fractions):.2f}-{max(fractions):.2f}",
+                  f"{statistics.fmean(means):.1%}", f"{worst:+.1%}")
+    return t, per_stack
 
 
 def predicted(run: Run, sustained: float | None) -> tuple[float, str]:
@@ -224,6 +268,11 @@ def main() -> int:
     speedups, speedup_errors = ratio_table(ratios(), sustained)
     console.print(speedups)
     console.print(f"speed-ups: mean |error| {statistics.fmean(abs(e) for e in speedup_errors):.1%}")
+    stacks, per_stack = one_run_calibration(STACKS)
+    console.print(stacks)
+    megatron = [m for name, means in per_stack.items() if name.startswith("Megatron-LM") for m in means]
+    console.print(f"Megatron-LM runs, the constant set by one run of the same stack and year: mean |error| "
+                  f"{statistics.fmean(megatron):.1%} (averaged over which run sets it)")
     if args.ratio_batches:
         for batch in (1120, 1920, 2240, 4480):
             first = ratios(batch)[0]

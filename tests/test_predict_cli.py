@@ -113,6 +113,10 @@ BAD = {
     "unknown cluster": (["--cluster", "tpu-v4:8x8"], "tpu-v4"),
     "model": (["--model", "bert"], "model"),
     "sp without tp": (["--sequence-parallel"], "sequence_parallel"),
+    "sustained fraction above the peak": (["--sustained-fraction", "1.5"], "sustained_fraction"),
+    "sustained fraction zero": (["--sustained-fraction", "0"], "sustained_fraction"),
+    "measured step faster than the peak": (["--measured-step-s", "0.001"], "datasheet peak"),
+    "measured step and fraction": (["--measured-step-s", "3", "--sustained-fraction", "0.8"], "not both"),
 }
 
 
@@ -214,3 +218,27 @@ def test_local_cluster_on_the_command_line(main, tmp_path, monkeypatch):
     code, out, err = main(*args)
     assert code == 0, err
     assert json.loads(out)["cluster"] == "local:1x2"
+
+
+def test_sustained_fraction_from_a_measured_step_reproduces_it(run, tmp_path):
+    """One measured run of a stack sets its constant; predict with it elsewhere gives the same numbers."""
+    at_08 = json.loads(run(*FLAGS, "--sustained-fraction", "0.8", "--json").output)
+    assert at_08["sustained_fraction"] == 0.8
+    default = json.loads(run(*FLAGS, "--json").output)
+    assert at_08["step_time_s"] < default["step_time_s"]  # more of the tensor cores: a shorter step
+    fitted = json.loads(run(*FLAGS, "--measured-step-s", str(at_08["step_time_s"]), "--json").output)
+    assert fitted["sustained_fraction"] == pytest.approx(0.8, abs=1e-6)
+    assert fitted["fitted_to_step_s"] == at_08["step_time_s"]
+    assert fitted["step_time_s"] == pytest.approx(at_08["step_time_s"], rel=1e-9)
+    text = run(*FLAGS, "--measured-step-s", str(at_08["step_time_s"])).output
+    assert "--sustained-fraction 0.800" in text
+    # the config file's key, and plan
+    (tmp_path / "stack.toml").write_text('cluster = "a100-80gb:8x8"\nsustained_fraction = 0.8\n[model]\nhidden = 3072\n'
+                                         'heads = 32\nlayers = 30\nseq = 2048\nvocab = 51200\nglobal_batch = 512\n'
+                                         '[parallel]\ntp = 1\npp = 1\ndp = 64\nmicro_batch = 8\nrecompute = "full"\n')
+    from_file = json.loads(run("predict", str(tmp_path / "stack.toml"), "--json").output)
+    assert from_file["step_time_s"] == pytest.approx(at_08["step_time_s"], rel=1e-12)
+    plans = [json.loads(run("plan", "--cluster", "a100-80gb:8x8", "--hidden", "3072", "--heads", "32", "--layers",
+                            "30", "--seq", "2048", "--vocab", "51200", "--global-batch", "512", *extra,
+                            "--json").output)["top"][0]["step_time_s"] for extra in ([], ["--sustained-fraction", "0.8"])]
+    assert plans[1] < plans[0]

@@ -53,7 +53,7 @@ MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch
               "kv_heads", "gated_mlp")
 PARALLEL_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
                  "overlap_grad_reduce", "bucket_mb")
-TOP_KEYS = ("cluster", "spot", "model", "parallel")
+TOP_KEYS = ("cluster", "spot", "sustained_fraction", "model", "parallel")
 MODELS = ("gpt",)
 REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
 
@@ -80,6 +80,9 @@ CalibrationOpt = Annotated[Optional[Path], typer.Option(
     "--calibration", help="For --against or a local:1xN cluster: profile TOML from `ddlscope calibrate` "
                           "(default: the newest in the store, else ./ddlscope-calibration.toml).")]
 DbOpt = Annotated[Path, typer.Option("--db", help="The store (for --against, and calibrations).")]
+SustainedOpt = Annotated[Optional[float], typer.Option(
+    "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (what the tensor "
+                                 "cores keep in a training job; fit it with predict --measured-step-s).")]
 
 
 def register(app: typer.Typer) -> None:
@@ -115,6 +118,10 @@ def predict_command(
     kv_heads: KvHeadsOpt = None,
     gated_mlp: GatedOpt = None,
     spot: SpotOpt = None,
+    sustained_fraction: SustainedOpt = None,
+    measured_step_s: Annotated[Optional[float], typer.Option(
+        "--measured-step-s", help="A step time measured for this configuration on your stack: fit "
+                                  "sustained_fraction to it, print it, and predict with it.")] = None,
     as_json: JsonOpt = False,
     against: Annotated[Optional[str], typer.Option(
         "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.")] = None,
@@ -136,16 +143,36 @@ def predict_command(
     parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
                            sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule)
-    the_cluster = cluster_from_text(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
-                           calibration, db)
+    the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
+                                                             "--cluster (or cluster in the config file)"),
+                                                   calibration, db), sustained_fraction, raw)
     spec = _model_spec(model_raw)
     parallel = _parallel_spec(parallel_raw, the_cluster.n_gpus)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
-    result = predict(spec, parallel, the_cluster, spot=use_spot)
-    if as_json:
-        print(json.dumps(result.to_dict()))
+    if measured_step_s is not None:
+        if sustained_fraction is not None or "sustained_fraction" in raw:
+            raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
+        from ddlscope.predict import fitted_prediction
+
+        fraction, result = fitted_prediction(spec, parallel, the_cluster, measured_step_s, spot=use_spot)
+        fitted = {"sustained_fraction": fraction, "fitted_to_step_s": measured_step_s,
+                  "catalogue_sustained_fraction": the_cluster.device.efficiency.sustained_fraction}
     else:
-        _print_prediction(result, parallel.label(), use_spot)
+        result, fitted = predict(spec, parallel, the_cluster, spot=use_spot), None
+    if as_json:
+        out = result.to_dict()
+        out["sustained_fraction"] = fitted["sustained_fraction"] if fitted else \
+            the_cluster.device.efficiency.sustained_fraction
+        if fitted:
+            out["fitted_to_step_s"] = measured_step_s
+        print(json.dumps(out))
+        return
+    _print_prediction(result, parallel.label(), use_spot)
+    if fitted:
+        console.print(f"sustained_fraction {fitted['sustained_fraction']:.4f} reproduces the measured "
+                      f"{measured_step_s:g} s step (catalogue: {fitted['catalogue_sustained_fraction']:g}); pass "
+                      f"--sustained-fraction {fitted['sustained_fraction']:.3f} to predict or plan other "
+                      "configurations on this stack")
 
 
 # ---------------------------------------------------------------------------- plan
@@ -168,6 +195,7 @@ def plan_command(
     top: Annotated[int, typer.Option("--top", help="How many configurations to show.")] = 5,
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
+    sustained_fraction: SustainedOpt = None,
     as_json: JsonOpt = False,
     calibration: CalibrationOpt = None,
     db: DbOpt = Path("ddlscope.db"),
@@ -184,8 +212,9 @@ def plan_command(
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
     if max_micro_batch < 1:
         raise ConfigError(f"--max-micro-batch = {max_micro_batch}: must be >= 1")
-    the_cluster = cluster_from_text(_required(cluster or raw.get("cluster"), "--cluster (or cluster in the config file)"),
-                           calibration, db)
+    the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
+                                                             "--cluster (or cluster in the config file)"),
+                                                   calibration, db), sustained_fraction, raw)
     spec = _model_spec(model_raw)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
     result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch)
@@ -208,6 +237,16 @@ def cluster_from_text(text: str, calibration: Optional[Path], db: Path):
 
         return parse_cluster(str(text), local_profile=this_machine_profile(calibration, db))
     return parse_cluster(str(text))
+
+
+def _stack_cluster(cluster: Any, flag: Optional[float], raw: dict[str, Any]):
+    """The cluster with the flag's (else the config file's) sustained_fraction, when one is given."""
+    value = flag if flag is not None else raw.get("sustained_fraction")
+    if value is None:
+        return cluster
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"sustained_fraction = {value!r}: must be a number")
+    return cluster.with_sustained_fraction(float(value))
 
 
 def _read_config(path: Optional[Path]) -> dict[str, Any]:

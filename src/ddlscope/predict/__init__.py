@@ -9,8 +9,8 @@ See docs/predict.md for the equations and their sources.
 """
 
 from ddlscope.predict.catalogue import Cluster, ClusterStringError, Device, Link, load_catalogue, parse_cluster
-from ddlscope.predict.predictor import predict, validate
+from ddlscope.predict.predictor import fit_sustained_fraction, fitted_prediction, predict, validate
 from ddlscope.predict.specs import ModelSpec, ParallelSpec, Prediction
 
 __all__ = ["Cluster", "ClusterStringError", "Device", "Link", "ModelSpec", "ParallelSpec", "Prediction",
-           "load_catalogue", "parse_cluster", "predict", "validate"]
+           "fit_sustained_fraction", "fitted_prediction", "load_catalogue", "parse_cluster", "predict", "validate"]

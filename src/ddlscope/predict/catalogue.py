@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -112,6 +112,21 @@ class Cluster:
 
     def __str__(self) -> str:
         return f"{self.name}:{self.nodes}x{self.gpus_per_node}"
+
+    def with_sustained_fraction(self, value: float) -> "Cluster":
+        """The same cluster with another software stack's `sustained_fraction` (see catalogue.toml)."""
+        check_sustained_fraction(value, self.device)
+        eff = self.device.efficiency
+        return replace(self, device=replace(self.device, efficiency=replace(eff, sustained_fraction=value)))
+
+
+def check_sustained_fraction(value: float, device: Device) -> None:
+    """Positive, and no GEMM above the datasheet peak (kernel fraction x sustained fraction <= 1)."""
+    ceiling = 1.0 / device.efficiency.gemm_kernel_fraction
+    if not 0.0 < value <= ceiling:
+        raise ConfigError(f"sustained_fraction = {value:g}: must be above 0 and at most {ceiling:.3f} on "
+                          f"{device.key} (its GEMM kernel fraction {device.efficiency.gemm_kernel_fraction:g} "
+                          "times it may not pass the peak)")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Callable
 
-from ddlscope.predict.catalogue import Cluster
+from ddlscope.predict.catalogue import Cluster, Device
 from ddlscope.predict.model import ConfigArrays, evaluate
 from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES, ModelSpec, ParallelSpec, Prediction
 from ddlscope.specs import ConfigError
@@ -66,6 +67,50 @@ def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bo
     validate(model, parallel, cluster)
     out = evaluate(model, cluster, ConfigArrays.from_specs([parallel]))
     return prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+
+
+# The lowest fraction tried: below it a GPU would do a tenth of its isolated GEMM rate, which no
+# training stack does; a measured step still slower than that is not the compute's doing.
+LOWEST_SUSTAINED_FRACTION = 0.1
+
+
+def fit_sustained_fraction(step_s_at: Callable[[float], float], measured_step_s: float, device: Device) -> float:
+    """The `sustained_fraction` at which `step_s_at(fraction)` equals a measured step time.
+
+    One measured run of a software stack sets the stack's constant; the
+    model's mechanisms then carry it to other configurations (see
+    docs/predict.md, "Calibrating to a stack"). The step time never rises
+    with the fraction, so bisection finds it.
+    """
+    if not measured_step_s > 0:
+        raise ConfigError(f"measured step = {measured_step_s:g} s: must be above 0")
+    high = 1.0 / device.efficiency.gemm_kernel_fraction
+    fastest, slowest = step_s_at(high), step_s_at(LOWEST_SUSTAINED_FRACTION)
+    if measured_step_s < fastest:
+        raise ConfigError(f"measured step = {measured_step_s:g} s: faster than the model allows on {device.key} "
+                          f"even with GEMMs at the datasheet peak ({fastest:.4g} s)")
+    if measured_step_s > slowest:
+        raise ConfigError(f"measured step = {measured_step_s:g} s: slower than the model gives at "
+                          f"sustained_fraction {LOWEST_SUSTAINED_FRACTION} ({slowest:.4g} s); something other "
+                          "than compute (a slow link, a wrong configuration) holds that run back")
+    low = LOWEST_SUSTAINED_FRACTION
+    for _ in range(60):
+        middle = (low + high) / 2
+        if step_s_at(middle) > measured_step_s:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def fitted_prediction(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, measured_step_s: float,
+                      spot: bool = False) -> tuple[float, Prediction]:
+    """(sustained_fraction, prediction at it) for a configuration whose step time was measured."""
+    validate(model, parallel, cluster)
+    fraction = fit_sustained_fraction(
+        lambda f: predict(model, parallel, cluster.with_sustained_fraction(f)).step_time_s, measured_step_s,
+        cluster.device)
+    return fraction, predict(model, parallel, cluster.with_sustained_fraction(fraction), spot)
 
 
 def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: ParallelSpec, cluster: Cluster,
