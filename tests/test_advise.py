@@ -172,3 +172,12 @@ def test_staleness_penalty_is_the_median_over_comparable_runs(capsys, tmp_path):
     assert "median of 4 runs against the median of 3 ps-sync runs" in penalty
     assert "from 1.00x to 2.00x" in penalty
     assert s["ssp"]["staleness_penalty"].startswith("not measured") and str(newest_ssp) in s["ssp"]["staleness_penalty"]
+
+
+def test_sustained_fraction_sets_the_stacks_compute_rate(capsys):
+    default = by_name(advise_json(capsys, "configs/default.toml", *GPT_HEAVY, "--cluster", "a100-80gb:4x8"))
+    faster = by_name(advise_json(capsys, "configs/default.toml", *GPT_HEAVY, "--cluster", "a100-80gb:4x8",
+                                 "--sustained-fraction", "1.0"))
+    assert faster["ddp"]["compute_s"] < default["ddp"]["compute_s"]
+    assert main(["advise", "configs/default.toml", "--cluster", "a100-80gb:4x8", "--sustained-fraction", "5"]) == 2
+    assert "sustained_fraction" in capsys.readouterr().err

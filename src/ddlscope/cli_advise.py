@@ -30,6 +30,9 @@ def advise_command(
     cluster: Annotated[Optional[str], typer.Option("--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:4x8 "
                                                    "(local:1xN: this machine as calibrated); workers = its GPUs.")] = None,
     stragglers: Annotated[float, typer.Option("--stragglers", help="One worker this many times slower (1 = none).")] = 1.0,
+    sustained_fraction: Annotated[Optional[float], typer.Option(
+        "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (see "
+                                     "`ddlscope predict --measured-step-s`).")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps of the experiment.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Global batch size (split over the cluster's GPUs).")] = None,
@@ -48,6 +51,8 @@ def advise_command(
     if not cluster:
         raise ConfigError("--cluster is required, e.g. --cluster a100-80gb:4x8")
     the_cluster = cluster_from_text(cluster, calibration, db)  # fail fast, before building anything
+    if sustained_fraction is not None:
+        the_cluster = the_cluster.with_sustained_fraction(sustained_fraction)
     overrides: dict[str, Any] = {}
     for key, value in (("workload.name", workload), ("workload.steps", steps), ("workload.batch_size", batch_size)):
         if value is not None:
