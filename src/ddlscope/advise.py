@@ -172,7 +172,6 @@ class StalenessPenalty:
     final_metric_ratio: float | None = None  # async final / sync final
     samples_ratio: float | None = None  # samples async needed to reach sync's final metric / sync's samples
     factor: float = 1.0  # multiplies the step time in the ranking (more samples for the same result)
-    runs: int = 1  # async runs the factor is the median of
 
 
 def _higher_is_better(metric_name: str) -> bool:
@@ -208,8 +207,9 @@ def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPe
     ps-sync (else ddp) runs share, against those runs; several runs (seeds) give a median.
 
     Asynchronous runs repeat badly (the order updates arrive in changes the result: the main
-    study's ps-async cell, with momentum 0.9, ended anywhere from 10% to 91% accuracy on one seed), so one pair of
-    runs is a sample, not a measurement; `ddlscope study paper --repeats N` stores N seeds.
+    study's ps-async cell, with momentum 0.9, ended anywhere from 10% to 91% accuracy on one
+    seed), so one pair of runs is a sample, not a measurement; `ddlscope study paper
+    --repeats N` stores N seeds.
     """
     missing = {s: StalenessPenalty(False, f"not measured (no store at {db})") for s in ASYNC_STRATEGIES}
     if db is None or not Path(db).exists():
@@ -256,7 +256,6 @@ def _pooled(store: Any, syncs: list[Any], asyncs: list[Any]) -> StalenessPenalty
         return measured[0] if measured else penalties[0]
     typical = measured[(len(measured) - 1) // 2]
     typical.factor = statistics.median(p.factor for p in measured)
-    typical.runs = len(measured)
     reference = f"the median of {len(syncs)} {sync.strategy} runs" if len(syncs) > 1 else f"{sync.strategy}"
     typical.text = (f"{typical.factor:.2f}x, the median of {len(measured)} runs against {reference} "
                     f"(from {measured[0].factor:.2f}x to {measured[-1].factor:.2f}x); the median run: {typical.text}")

@@ -80,10 +80,10 @@ def repeated(cells: list[Cell], repeats: int) -> list[Cell]:
     out = []
     for cell in cells:
         labels = cell.labels
-        if labels["part"] == "accuracy" and labels["strategy"].split("+")[0] in PS_FAMILY:
-            variant = labels["strategy"].partition("+")[2]
-            out += [accuracy_cell(labels["strategy"].split("+")[0], labels["network"], labels["workers"],
-                                  labels["world_size"], variant, seed) for seed in range(1, repeats)]
+        strategy, _, variant = labels["strategy"].partition("+")
+        if labels["part"] == "accuracy" and strategy in PS_FAMILY:
+            out += [accuracy_cell(strategy, labels["network"], labels["workers"], labels["world_size"], variant, seed)
+                    for seed in range(1, repeats)]
     return out
 
 
