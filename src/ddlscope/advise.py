@@ -222,24 +222,25 @@ def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPe
         if not sync_runs:
             return {s: StalenessPenalty(False, f"not measured (no finished ps-sync or ddp run of {workload})")
                     for s in ASYNC_STRATEGIES}
+        sync_keys = [_comparable(r) for r in sync_runs]
         out: dict[str, StalenessPenalty] = {}
         for strategy in ASYNC_STRATEGIES:
             runs = store.find_runs(workload=workload, strategy=strategy)
             if not runs:
                 out[strategy] = StalenessPenalty(False, f"not measured (no finished {strategy} run of {workload})")
                 continue
-            sync_keys = {_comparable(r) for r in sync_runs}
-            usable = [r for r in runs if _comparable(r) in sync_keys]
+            keys = [_comparable(r) for r in runs]
+            usable = [(k, r) for k, r in zip(keys, runs) if k in sync_keys]
             if not usable:
                 out[strategy] = StalenessPenalty(False, f"not measured (no ps-sync or ddp run with the workload "
                                                         f"settings, world size and stragglers of a {strategy} run; "
                                                         f"newest: run {runs[0].id})")
                 continue
-            key = _comparable(usable[0])  # the newest settings that can be compared
-            syncs = [r for r in sync_runs if _comparable(r) == key]
+            key = usable[0][0]  # the newest settings that can be compared
+            syncs = [r for k, r in zip(sync_keys, sync_runs) if k == key]
             # ps-sync is the closer reference (same server, same samples per update); ddp otherwise
             syncs = [r for r in syncs if r.strategy == "ps-sync"] or syncs
-            out[strategy] = _pooled(store, syncs, [r for r in usable if _comparable(r) == key])
+            out[strategy] = _pooled(store, syncs, [r for k, r in usable if k == key])
         return out
 
 
@@ -248,7 +249,8 @@ def _pooled(store: Any, syncs: list[Any], asyncs: list[Any]) -> StalenessPenalty
     from ddlscope.analysis.summary import summarize
 
     sync_summaries = [(run, summarize(store, run)) for run in syncs]
-    finals = [(_final_value(s), i) for i, (_, s) in enumerate(sync_summaries) if _final_value(s) is not None]
+    finals = [(final, i) for i, (_, summary) in enumerate(sync_summaries)
+              if (final := _final_value(summary)) is not None]
     sync, sync_sum = sync_summaries[statistics.median_low(finals)[1]] if finals else sync_summaries[0]
     penalties = [_compare(store, sync, sync_sum, run, summarize(store, run)) for run in asyncs]
     measured = sorted((p for p in penalties if p.measured), key=lambda p: p.factor)

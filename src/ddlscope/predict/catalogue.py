@@ -40,6 +40,11 @@ class Efficiency:
     memory_fraction: float
     kernel_overhead_s: float
 
+    @property
+    def max_sustained_fraction(self) -> float:
+        """The most `sustained_fraction` can be: kernel fraction x it may not pass the datasheet peak."""
+        return 1.0 / self.gemm_kernel_fraction
+
 
 @dataclass(frozen=True)
 class Device:
@@ -122,7 +127,7 @@ class Cluster:
 
 def check_sustained_fraction(value: float, device: Device) -> None:
     """Positive, and no GEMM above the datasheet peak (kernel fraction x sustained fraction <= 1)."""
-    ceiling = 1.0 / device.efficiency.gemm_kernel_fraction
+    ceiling = device.efficiency.max_sustained_fraction
     if not 0.0 < value <= ceiling:
         raise ConfigError(f"sustained_fraction = {value:g}: must be above 0 and at most {ceiling:.3f} on "
                           f"{device.key} (its GEMM kernel fraction {device.efficiency.gemm_kernel_fraction:g} "

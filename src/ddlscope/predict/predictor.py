@@ -84,7 +84,7 @@ def fit_sustained_fraction(step_s_at: Callable[[float], float], measured_step_s:
     """
     if not measured_step_s > 0:
         raise ConfigError(f"measured step = {measured_step_s:g} s: must be above 0")
-    high = 1.0 / device.efficiency.gemm_kernel_fraction
+    high = device.efficiency.max_sustained_fraction
     fastest, slowest = step_s_at(high), step_s_at(LOWEST_SUSTAINED_FRACTION)
     if measured_step_s < fastest:
         raise ConfigError(f"measured step = {measured_step_s:g} s: faster than the model allows on {device.key} "

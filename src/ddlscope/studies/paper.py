@@ -170,10 +170,14 @@ class _Analysis:
     def get_on(self, strategy: str, network: str, workers: str) -> CellResult | None:
         return self.by_key.get(f"{strategy}/{network}/{workers}/w{getattr(self, 'world', QUICK_WORKERS)}")
 
-    def _median(self, r: CellResult | None, value: Callable[[CellResult], float | None]) -> float | None:
+    def _seed_values(self, r: CellResult | None, value: Callable[[CellResult], float | None]) -> list[float]:
+        """`value` of each seed of r's cell, where it has one."""
         if r is None:
-            return None
-        values = [v for v in (value(m) for m in self.groups[_group(r)]) if v is not None]
+            return []
+        return [v for v in (value(m) for m in self.groups[_group(r)]) if v is not None]
+
+    def _median(self, r: CellResult | None, value: Callable[[CellResult], float | None]) -> float | None:
+        values = self._seed_values(r, value)
         return statistics.median(values) if values else None
 
     def step(self, r: CellResult | None) -> float | None:
@@ -187,7 +191,7 @@ class _Analysis:
 
     def accuracy_spread(self, r: CellResult | None) -> str:
         """'' for one seed; else the seeds' range, and how many ended at chance level."""
-        accuracies = [a for a in (_final_accuracy(m) for m in self.groups[_group(r)]) if a is not None] if r else []
+        accuracies = self._seed_values(r, _final_accuracy)
         if len(accuracies) < 2:
             return ""
         text = f"median of {len(accuracies)} seeds, {min(accuracies):.1%}-{max(accuracies):.1%}"
@@ -195,7 +199,7 @@ class _Analysis:
         return text + (f", {failed} at chance level" if failed else "")
 
     def _walls(self, r: CellResult) -> list[float]:
-        return [w for w in (m.summary.effective_wall_s for m in self.groups[_group(r)]) if w is not None]
+        return self._seed_values(r, lambda m: m.summary.effective_wall_s)
 
     def walls_overlap(self, a: CellResult, b: CellResult) -> bool:
         """Whether two cells' seeds ran in overlapping wall times (never, for one seed each)."""
@@ -386,7 +390,7 @@ class _Analysis:
     def _notes(self) -> list[str]:
         notes = sorted({n for r in self.results for n in r.summary.notes
                         if "shared" in n or "emulated" in n})
-        seeds = max(len(members) for members in self.groups.values())
+        seeds = max((len(members) for members in self.groups.values()), default=1)
         if seeds > 1:
             notes.append(f"Parameter-server cells ran with {seeds} seeds (their updates apply in arrival order, so "
                          "accuracy and wall time change from run to run); headlines and decisions read the "
