@@ -71,7 +71,7 @@ def test_block_cyclic_async_pushes_one_block_per_step(cli, tmp_path):
 
 
 def test_block_cyclic_blocks_cycle_over_the_servers():
-    from ddlscope.strategies.ps import PSAsyncSpec
+    from ddlscope.specs.strategies.ps import PSAsyncSpec
 
     spec = PSAsyncSpec(servers=3, block_cyclic=True)
     assert [spec.blocks_pushed(0, step) for step in range(4)] == [[0], [1], [2], [0]]

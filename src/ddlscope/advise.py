@@ -30,15 +30,35 @@ from typing import Any, Sequence
 
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.catalogue import GIB, Cluster, parse_cluster
-from ddlscope.specs import ConfigError, Experiment
+from ddlscope.predict.estimators import ClusterCase, estimator_for
+from ddlscope.specs import ConfigError, Experiment, StrategySpec, strategy_specs
 
-STRATEGY_NAMES = ("ddp", "fsdp", "ps-sync", "ps-async", "ssp", "ps-stale-aware")
-SYNC_STRATEGIES = ("ddp", "fsdp", "ps-sync")
-ASYNC_STRATEGIES = ("ps-async", "ssp", "ps-stale-aware")
-# Preference among (near-)ties, in the main study's order: simplest synchronous first.
+# Among strategies this close in effective step time, the simpler one (Traits.simplicity) is preferred.
 TIE_TOLERANCE = 0.03
-DEFAULT_BUCKET_MB = 25.0
-DEFAULT_SSP_STALENESS = 2  # ddlscope's ssp default (strategies/ps.py)
+
+
+def candidates(exp: Experiment) -> list[StrategySpec]:
+    """Every registered multi-process strategy, simplest first: the experiment's own with its knobs,
+    the others with their defaults."""
+    mine = type(exp.strategy)
+    return [exp.strategy if cls is mine else cls() for cls in strategy_specs() if not cls.traits.single_process]
+
+
+def _asynchronous(specs: list[StrategySpec]) -> list[str]:
+    return [s.name for s in specs if not s.traits.synchronous]
+
+
+def _reference_syncs() -> tuple[str, str]:
+    """The synchronous runs an async run's accuracy is compared with: the synchronous server (same
+    server, same samples per update), else the simplest synchronous collective."""
+    specs = strategy_specs()
+    server = next(c for c in specs if c.traits.family == "server" and c.traits.synchronous)
+    collective = next(c for c in specs if c.traits.family == "collective" and c.traits.synchronous)
+    return _name(server), _name(collective)
+
+
+def _name(cls: type[StrategySpec]) -> str:
+    return cls.model_fields["name"].default
 
 
 # ---------------------------------------------------------------------------- workload profile
@@ -202,7 +222,7 @@ def _comparable(run: Any) -> str:
     return json.dumps([config.get("workload"), run.world_size, cluster.get("slowdown")], sort_keys=True)
 
 
-def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPenalty]:
+def staleness_penalties(db: Path | None, workload: str, asynchronous: list[str]) -> dict[str, StalenessPenalty]:
     """Per async strategy: its finished local runs of `workload` with the newest settings that
     ps-sync (else ddp) runs share, against those runs; several runs (seeds) give a median.
 
@@ -211,20 +231,22 @@ def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPe
     seed), so one pair of runs is a sample, not a measurement; `ddlscope study paper
     --repeats N` stores N seeds.
     """
-    missing = {s: StalenessPenalty(False, f"not measured (no store at {db})") for s in ASYNC_STRATEGIES}
+    missing = {s: StalenessPenalty(False, f"not measured (no store at {db})") for s in asynchronous}
     if db is None or not Path(db).exists():
         return missing
     from ddlscope.store import Store
 
+    server_sync, collective_sync = _reference_syncs()
+    syncs_text = f"{server_sync} or {collective_sync}"
     with Store(db) as store:
-        sync_runs = store.find_runs(workload=workload, strategy="ps-sync") + store.find_runs(workload=workload,
-                                                                                              strategy="ddp")
+        sync_runs = store.find_runs(workload=workload, strategy=server_sync) + store.find_runs(
+            workload=workload, strategy=collective_sync)
         if not sync_runs:
-            return {s: StalenessPenalty(False, f"not measured (no finished ps-sync or ddp run of {workload})")
-                    for s in ASYNC_STRATEGIES}
+            return {s: StalenessPenalty(False, f"not measured (no finished {syncs_text} run of {workload})")
+                    for s in asynchronous}
         sync_keys = [_comparable(r) for r in sync_runs]
         out: dict[str, StalenessPenalty] = {}
-        for strategy in ASYNC_STRATEGIES:
+        for strategy in asynchronous:
             runs = store.find_runs(workload=workload, strategy=strategy)
             if not runs:
                 out[strategy] = StalenessPenalty(False, f"not measured (no finished {strategy} run of {workload})")
@@ -232,14 +254,14 @@ def staleness_penalties(db: Path | None, workload: str) -> dict[str, StalenessPe
             keys = [_comparable(r) for r in runs]
             usable = [(k, r) for k, r in zip(keys, runs) if k in sync_keys]
             if not usable:
-                out[strategy] = StalenessPenalty(False, f"not measured (no ps-sync or ddp run with the workload "
+                out[strategy] = StalenessPenalty(False, f"not measured (no {syncs_text} run with the workload "
                                                         f"settings, world size and stragglers of a {strategy} run; "
                                                         f"newest: run {runs[0].id})")
                 continue
             key = usable[0][0]  # the newest settings that can be compared
             syncs = [r for k, r in zip(sync_keys, sync_runs) if k == key]
-            # ps-sync is the closer reference (same server, same samples per update); ddp otherwise
-            syncs = [r for r in syncs if r.strategy == "ps-sync"] or syncs
+            # the synchronous server is the closer reference (same server, same samples per update)
+            syncs = [r for r in syncs if r.strategy == server_sync] or syncs
             out[strategy] = _pooled(store, syncs, [r for k, r in usable if k == key])
         return out
 
@@ -350,18 +372,6 @@ class Advice:
         return next(s for s in self.strategies if s.strategy == name)
 
 
-def _memory(profile: WorkloadProfile, strategy: str, n: int, bucket_mb: float) -> tuple[float, float | None]:
-    """(bytes per GPU, server bytes or None): model states by strategy plus activations."""
-    p, wb, ob = profile.params, profile.weight_bytes_per_param, profile.optimizer_bytes_per_param
-    act = profile.activation_bytes
-    if strategy == "ddp":
-        return p * (2 * wb + ob) + 2 * bucket_mb * 2**20 + act, None
-    if strategy == "fsdp":
-        gathered = 2 * wb * p / profile.units  # the unit in use and the prefetched one
-        return p * (2 * wb + ob) / n + gathered + act, None
-    return p * 2 * wb + act, p * (wb + ob)  # PS: workers hold weights + grads; the server the optimizer
-
-
 def advise(exp: Experiment, cluster: Cluster | str, stragglers: float = 1.0, db: Path | None = None,
            profile: WorkloadProfile | None = None) -> Advice:
     """Rank the six strategies for `exp` on `cluster` (a Cluster, or a catalogue cluster string);
@@ -381,53 +391,46 @@ def advise(exp: Experiment, cluster: Cluster | str, stragglers: float = 1.0, db:
                       state_bytes_per_param=profile.state_bytes_per_param, achieved_fraction=fraction,
                       layers=profile.units)
     slowdowns: Sequence[float] | None = [stragglers] + [1.0] * (n - 1) if stragglers > 1.0 else None
-    bucket_mb = float(getattr(exp.strategy, "bucket_mb", DEFAULT_BUCKET_MB) or DEFAULT_BUCKET_MB)
-    ssp_s = int(getattr(exp.strategy, "staleness", DEFAULT_SSP_STALENESS)) if exp.strategy.name == "ssp" \
-        else DEFAULT_SSP_STALENESS
     # One parameter server on one of the cluster's nodes: its NIC (or the node's link when all fits in a node).
     link = cluster.node.inter if cluster.nodes > 1 else cluster.node.intra
     dev = cluster.device
     server = pst.ServerSpec(servers=1, link_gb_per_s=link.achieved_bytes_per_s / 1e9,
                             aggregate_gb_per_s=dev.memory_bandwidth_bytes_per_s * dev.efficiency.memory_fraction
                             / 3 / 1e9, alpha_s=link.alpha_s)
-    estimates = {
-        "ddp": pst.ddp(pw, cluster, bucket_mb=bucket_mb, slowdowns=slowdowns),
-        # the slowest worker sets every synchronous step: FSDP's collectives hide behind its longer compute
-        "fsdp": pst.fsdp(pst.Workload(**{**asdict(pw), "achieved_fraction": fraction / stragglers}), cluster, 3),
-        "ps-sync": pst.parameter_server(pw, cluster, "sync", server, slowdowns=slowdowns),
-        "ps-async": pst.parameter_server(pw, cluster, "async", server, slowdowns=slowdowns),
-        "ssp": pst.parameter_server(pw, cluster, "ssp", server, staleness=ssp_s, slowdowns=slowdowns),
-        "ps-stale-aware": pst.parameter_server(pw, cluster, "async", server, slowdowns=slowdowns),
-    }
-    penalties = staleness_penalties(db, profile.name)
-    price = dev.price_usd_per_hour
+    case = ClusterCase(workload=pw, cluster=cluster, stragglers=stragglers, slowdowns=slowdowns, server=server,
+                       activation_bytes=profile.activation_bytes, weight_bytes_per_param=profile.weight_bytes_per_param,
+                       optimizer_bytes_per_param=profile.optimizer_bytes_per_param)
+    specs = candidates(exp)
+    penalties = staleness_penalties(db, profile.name, _asynchronous(specs))
     usable = dev.memory_bytes - dev.framework_overhead_bytes
-    steps = exp.workload.steps
-    rows: list[StrategyAdvice] = []
-    for name in STRATEGY_NAMES:
-        est = estimates[name]
-        mem, server_mem = _memory(profile, name, n, bucket_mb)
-        pen = penalties.get(name, StalenessPenalty(True, "none (synchronous: no staleness)"))
-        step = float(est.step_s)
-        notes = list(est.notes)
-        if name == "ssp" and slowdowns:
-            notes.append(f"bounded staleness s={ssp_s}: a persistent straggler still sets the pace in the long run")
-        rows.append(StrategyAdvice(
-            strategy=name, synchronous=name in SYNC_STRATEGIES, step_s=step, compute_s=float(est.compute_s),
-            comm_s=float(est.comm_s), exposed_comm_s=float(est.exposed_comm_s),
-            comm_compute_ratio=float(est.comm_s) / float(est.compute_s) if est.compute_s else math.inf,
-            samples_per_s=float(est.samples_per_s), memory_bytes_per_gpu=mem, memory_gib_per_gpu=mem / GIB,
-            server_memory_gib=server_mem / GIB if server_mem is not None else None, fits=mem <= usable,
-            cost_usd_per_step=price * n * step / 3600.0, experiment_steps=steps, experiment_time_s=steps * step,
-            experiment_cost_usd=price * n * step * steps / 3600.0, mean_staleness_steps=float(est.mean_staleness_steps),
-            staleness_penalty=pen.text, staleness_factor=pen.factor, effective_step_s=step * pen.factor,
-            notes=notes))
-    ranked = _rank(rows)
+    rows = [_advice_row(spec, case, penalties, usable, exp.workload.steps) for spec in specs]
+    ranked = _rank(rows, [spec.name for spec in specs])
     winner = ranked[0]
-    reasons = _reasons(ranked, winner, profile, cluster, stragglers, fraction, usable)
+    reasons = _reasons(ranked, winner, profile, cluster, stragglers, fraction, usable,
+                       {spec.name: spec for spec in specs})
     return Advice(experiment=exp.name or exp.workload.name, workload=_workload_dict(profile), cluster=str(cluster),
                   device=dev.key, workers=n, stragglers=stragglers, achieved_fraction_of_peak=fraction,
                   strategies=ranked, recommendation=winner.strategy, reasons=reasons)
+
+
+def _advice_row(spec: StrategySpec, case: ClusterCase, penalties: dict[str, StalenessPenalty], usable: float,
+                steps: int) -> StrategyAdvice:
+    estimator = estimator_for(spec)
+    est = estimator.cluster(spec, case)
+    mem, server_mem = estimator.cluster_memory(spec, case)
+    pen = penalties.get(spec.name, StalenessPenalty(True, "none (synchronous: no staleness)"))
+    step = float(est.step_s)
+    price, n = case.cluster.device.price_usd_per_hour, case.cluster.n_gpus
+    return StrategyAdvice(
+        strategy=spec.name, synchronous=spec.traits.synchronous, step_s=step, compute_s=float(est.compute_s),
+        comm_s=float(est.comm_s), exposed_comm_s=float(est.exposed_comm_s),
+        comm_compute_ratio=float(est.comm_s) / float(est.compute_s) if est.compute_s else math.inf,
+        samples_per_s=float(est.samples_per_s), memory_bytes_per_gpu=mem, memory_gib_per_gpu=mem / GIB,
+        server_memory_gib=server_mem / GIB if server_mem is not None else None, fits=mem <= usable,
+        cost_usd_per_step=price * n * step / 3600.0, experiment_steps=steps, experiment_time_s=steps * step,
+        experiment_cost_usd=price * n * step * steps / 3600.0, mean_staleness_steps=float(est.mean_staleness_steps),
+        staleness_penalty=pen.text, staleness_factor=pen.factor, effective_step_s=step * pen.factor,
+        notes=list(est.notes) + estimator.cluster_notes(spec, case))
 
 
 def _workload_dict(profile: WorkloadProfile) -> dict[str, Any]:
@@ -437,9 +440,9 @@ def _workload_dict(profile: WorkloadProfile) -> dict[str, Any]:
     return d
 
 
-def _rank(rows: list[StrategyAdvice]) -> list[StrategyAdvice]:
+def _rank(rows: list[StrategyAdvice], simplest_first: list[str]) -> list[StrategyAdvice]:
     """Fitting strategies first, by effective step time; near-ties (3%) go to the earlier, simpler one."""
-    order = {name: i for i, name in enumerate(STRATEGY_NAMES)}
+    order = {name: i for i, name in enumerate(simplest_first)}
     ranked = sorted(rows, key=lambda r: (not r.fits, r.effective_step_s, order[r.strategy]))
     fitting = [r for r in ranked if r.fits]
     if fitting:
@@ -469,10 +472,21 @@ def duration_text(s: float) -> str:
     return f"{s / 3600:.3g} h"
 
 
+def _framework_roles(specs: list[StrategySpec]) -> tuple[str, str, str, str]:
+    """The four strategies the main study's decision framework weighs, by their traits (simplest of
+    each): replicated collective, sharded collective, synchronous server, asynchronous server."""
+    def simplest(family: str, **traits: bool) -> str:
+        return next(s.name for s in specs if s.traits.family == family
+                    and all(getattr(s.traits, k) == v for k, v in traits.items()))
+
+    return (simplest("collective", shards_model_states=False), simplest("collective", shards_model_states=True),
+            simplest("server", synchronous=True), simplest("server", synchronous=False))
+
+
 def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: WorkloadProfile, cluster: Cluster,
-             stragglers: float, fraction: float, usable: float) -> list[str]:
+             stragglers: float, fraction: float, usable: float, specs: dict[str, StrategySpec]) -> list[str]:
     by = {r.strategy: r for r in ranked}
-    ddp, fsdp, sync, asyn = by["ddp"], by["fsdp"], by["ps-sync"], by["ps-async"]
+    ddp, fsdp, sync, asyn = (by[name] for name in _framework_roles(list(specs.values())))
     n = cluster.n_gpus
     reasons: list[str] = []
     reasons.append(
@@ -504,8 +518,9 @@ def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: Work
     if stragglers > 1:
         reasons.append(
             f"Heterogeneity: with one worker {stragglers:g}x slower, every synchronous step waits for it "
-            f"(DDP {_ms(ddp.step_s)}, ps-sync {_ms(sync.step_s)} per step), while ps-async lets each worker "
-            f"run at its own pace ({asyn.samples_per_s:.4g} samples/s against ps-sync's {sync.samples_per_s:.4g}), "
+            f"(DDP {_ms(ddp.step_s)}, {sync.strategy} {_ms(sync.step_s)} per step), while {asyn.strategy} lets "
+            f"each worker run at its own pace ({asyn.samples_per_s:.4g} samples/s against {sync.strategy}'s "
+            f"{sync.samples_per_s:.4g}), "
             f"bounded by the server link"
             + (" - which is what caps it here." if any("server-bound" in x for x in asyn.notes) else "."))
     else:
@@ -517,18 +532,13 @@ def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: Work
         reasons.append("Staleness, measured locally: " + "; ".join(
             f"{r.strategy}: {r.staleness_penalty}" for r in measured) + ".")
     else:
-        reasons.append("Staleness: its statistical cost was not measured (no finished local runs of this workload "
-                       "with ps-async/ssp/ps-stale-aware and ps-sync or ddp in the store); async step times are "
-                       "ranked as if an update were worth a synchronous one.")
+        asynchronous = "/".join(r.strategy for r in sorted(ranked, key=lambda r: specs[r.strategy].traits.simplicity)
+                                if not r.synchronous)
+        reasons.append(f"Staleness: its statistical cost was not measured (no finished local runs of this workload "
+                       f"with {asynchronous} and {sync.strategy} or {ddp.strategy} in the store); async step times "
+                       f"are ranked as if an update were worth a synchronous one.")
     runner = next((r for r in ranked if r is not winner), None)
-    framework = {
-        "ddp": "the main study's choice for a homogeneous, gang-scheduled cluster whose model fits",
-        "fsdp": "the main study's choice when the model does not fit replicated",
-        "ps-sync": "synchronous, but through a server",
-        "ps-async": "the main study's choice when workers are heterogeneous or not gang-scheduled",
-        "ssp": "asynchrony with bounded staleness, for heterogeneous workers",
-        "ps-stale-aware": "asynchrony with a staleness-aware learning rate, for heterogeneous workers",
-    }[winner.strategy]
+    framework = specs[winner.strategy].advice
     rec = (f"Recommendation: {winner.strategy} ({framework}): {_ms(winner.step_s)} per step, "
            f"{winner.samples_per_s:.4g} samples/s, {_gib(winner.memory_bytes_per_gpu)} per GPU, "
            f"${winner.cost_usd_per_step:.3g} per step, {duration_text(winner.experiment_time_s)} and "

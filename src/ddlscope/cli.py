@@ -391,9 +391,10 @@ def _ms_short(ms: float) -> str:
 @app.command()
 def strategies() -> None:
     """List the registered strategies and their knobs."""
-    from ddlscope.strategies import STRATEGIES
+    from ddlscope.specs import strategy_specs
 
-    _print_catalogue("strategy", STRATEGIES.items(), base_fields={"name"})
+    _print_catalogue("strategy", [(cls.model_fields["name"].default, cls) for cls in strategy_specs()],
+                     base_fields={"name"})
 
 
 @app.command()
@@ -408,7 +409,8 @@ def workloads() -> None:
 def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[str]) -> None:
     table = Table(kind, "description", "knobs (default)")
     for name, plugin in items:
-        knobs = ", ".join(f"{k}={f.default!r}" for k, f in plugin.spec_class.model_fields.items()
+        spec_class = getattr(plugin, "spec_class", plugin)  # a workload plugin, or a strategy's spec class
+        knobs = ", ".join(f"{k}={f.default!r}" for k, f in spec_class.model_fields.items()
                           if k not in base_fields)
         table.add_row(name, plugin.description, knobs or "-")
     console.print(table)

@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ddlscope.registry import Registry, UnknownPluginError
+from ddlscope.specs.registry import Registry, UnknownPluginError
 from ddlscope.specs import ClusterSpec, ConfigError, Experiment, check_consistency, describe_validation_error
-from ddlscope.strategies import STRATEGIES
+from ddlscope.specs import STRATEGY_SPECS
 from ddlscope.workloads import WORKLOADS
 
 DEFAULT_WORKLOAD = "mlp-digits"
@@ -73,7 +73,7 @@ def experiment_from_dict(raw: dict[str, Any]) -> Experiment:
     if unknown:
         raise ConfigError(f"{unknown[0]} = {raw[unknown[0]]!r}: unknown field; allowed: {', '.join(SECTIONS)}")
     workload = _plugin_spec(WORKLOADS, "workload", raw.get("workload", {}), DEFAULT_WORKLOAD)
-    strategy = _plugin_spec(STRATEGIES, "strategy", raw.get("strategy", {}), DEFAULT_STRATEGY)
+    strategy = _plugin_spec(STRATEGY_SPECS, "strategy", raw.get("strategy", {}), DEFAULT_STRATEGY)
     cluster = _validate(ClusterSpec, raw.get("cluster", {}), "cluster")
     top = {k: raw[k] for k in TOP_LEVEL if k in raw}
     try:
@@ -100,7 +100,8 @@ def _plugin_spec(registry: Registry[Any], section: str, raw: Any, default: str) 
         plugin = registry.get(str(raw["name"]))
     except UnknownPluginError as err:
         raise ConfigError(f"{section}.name = {err.name!r}: unknown {section}; allowed: {', '.join(err.known)}") from None
-    return _validate(plugin.spec_class, raw, section)
+    # Workload plugins carry their spec class; the strategy registry holds the spec classes themselves.
+    return _validate(getattr(plugin, "spec_class", plugin), raw, section)
 
 
 def _validate(model: type[BaseModel], raw: Any, section: str) -> Any:

@@ -24,6 +24,7 @@ from ddlscope.runtime.data import GlobalBatchSampler
 from ddlscope.runtime.instrument import (
     ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter
+from ddlscope.runtime.timer import PhaseTimer
 from ddlscope.runtime.trace import StepTracer
 from ddlscope.specs import Experiment, WorkloadSpec
 from ddlscope.strategies.base import RunContext, Strategy
@@ -54,19 +55,26 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     device = ctx.device
     model = strategy.wrap(task.model.to(device))
     optimizer = make_optimizer(model, spec)
+    strategy.attach(model, optimizer, task.loss_fn)
     sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
     per_rank = exp.per_rank_batch()
-    data_rank = ctx.rank if exp.strategy.splits_global_batch else 0
-    straggler = _Straggler(exp, ctx.rank)
+    data_rank = ctx.rank if exp.strategy.traits.splits_global_batch else 0
     memory_step = min(1, spec.steps - 1)  # step 0 pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
     eval_s = 0.0
     evaluator = _Evaluator(task, model, strategy, ctx, writer)
-    backward_compute_s = 0.0
-    loss_value = float("nan")
     tracer = StepTracer(exp.trace_steps, spec.steps, traces_dir, ctx.rank, device, writer)
-    phase = tracer.phase  # a shared no-op context unless this step is traced
+    straggler = _Straggler(exp, ctx.rank)
+    measuring = False
+
+    def measure_gradients() -> None:
+        if measuring:
+            memory["gradients"] = gradient_bytes(model)
+
+    # a shared no-op label unless this step is traced
+    timer = PhaseTimer(device, tracer.phase, straggler.after_forward, measure_gradients)
+    loss_value = float("nan")
 
     writer.event("train_start", f"per_rank_batch={per_rank}")
     device_sync(device)
@@ -77,51 +85,28 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
             _crash(writer, step)
         measuring = step == memory_step
         tracer.before_step(step)
-        t0 = clock()
-        with phase("data"):
+        timer.start(clock())
+        with timer.phase("data"):
             x, y = (t.to(device, non_blocking=True)
                     for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
-            device_sync(device)
-        t1 = clock()
-        cpu0 = time.thread_time()
         with meter.measure() if measuring else nullcontext():
-            with phase("forward"):
-                loss = task.loss_fn(model(x), y)
-                device_sync(device)
-            t2 = clock()
-            if straggler.hold(t2 - t1, backward_compute_s or 2 * (t2 - t1)):
-                t2 = clock()
-            with phase("backward"):
-                loss.backward()
-                device_sync(device)
-        t3 = clock()
-        cpu1 = time.thread_time()
+            loss_value = strategy.train_step((x, y), timer)
         if measuring:
             memory["activations"] = meter.bytes
-            memory["gradients"] = gradient_bytes(model)
-        with phase("synchronize"):
-            strategy.synchronize(model)
-            device_sync(device)
-        t4 = clock()
-        with phase("optimizer"):
-            if strategy.local_optimizer:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_value = loss.item()
-            device_sync(device)
-        t5 = clock()
         tracer.after_step(step)
         if measuring:
             memory["optimizer"] = optimizer_state_bytes(optimizer)
 
-        comm = strategy.comm_stats(backward_end_s=t3)
-        backward_compute_s = (t3 - t2) - comm.exposed_in_backward_s
+        comm = strategy.comm_stats(backward_end_s=timer.backward_end_s)
+        phases = timer.seconds
+        backward_compute_s = phases["backward"] - comm.exposed_in_backward_s
+        straggler.learn(backward_compute_s, timer.entries["forward"])
         writer.write(
-            "step", step=step, t_s=t0 - start, data_s=t1 - t0, forward_s=(t2 - t1) - comm.exposed_in_forward_s,
-            backward_s=backward_compute_s,
-            comm_wait_s=comm.exposed_in_forward_s + comm.exposed_in_backward_s + (t4 - t3),
-            optimizer_s=t5 - t4, step_s=t5 - t0, comm_s=comm.total_s, compute_cpu_s=cpu1 - cpu0,
-            samples=len(x), loss=loss_value, bytes_sent=comm.bytes_sent,
+            "step", step=step, t_s=timer.step_start_s - start, data_s=phases["data"],
+            forward_s=phases["forward"] - comm.exposed_in_forward_s, backward_s=backward_compute_s,
+            comm_wait_s=comm.exposed_in_forward_s + comm.exposed_in_backward_s + phases["synchronize"],
+            optimizer_s=phases["optimizer"], step_s=timer.end_s - timer.step_start_s, comm_s=comm.total_s,
+            compute_cpu_s=timer.compute_cpu_s, samples=len(x), loss=loss_value, bytes_sent=comm.bytes_sent,
         )
         if on_step:
             on_step(step)
@@ -136,24 +121,6 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
     return LoopResult(spec.steps, train_s, loss_value, model, optimizer)
-
-
-class _Straggler:
-    """An emulated slow rank (cluster.slowdown, cluster.jitter): it computes `stretch` times slower,
-    the extra time slept after its forward pass so that it shows as forward time."""
-
-    def __init__(self, exp: Experiment, rank: int):
-        self.slowdown = exp.cluster.slowdown_of(rank)
-        self.jitter = exp.cluster.jitter
-        self.rng = random.Random(exp.seed * 7919 + rank) if self.jitter else None
-
-    def hold(self, forward_s: float, backward_s: float) -> bool:
-        """Sleep for this step's extra compute time, if any; True when it slept."""
-        stretch = self.slowdown * (1 + self.jitter * self.rng.random()) if self.rng else self.slowdown
-        if stretch <= 1:
-            return False
-        time.sleep((stretch - 1) * (forward_s + backward_s))
-        return True
 
 
 def _crash(writer: RowWriter, step: int) -> None:
@@ -188,7 +155,7 @@ class _Evaluator:
         """Evaluate (or snapshot) at this step; returns the seconds it took."""
         began = clock()
         last = step == self.ctx.experiment.workload.steps - 1
-        if self.strategy.collective_forward:
+        if self.strategy.spec.traits.collective_forward:
             self._evaluate(step, wall_s)
             self.strategy.discard_comm_stats()
         elif self.ctx.rank == 0:

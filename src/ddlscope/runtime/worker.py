@@ -24,7 +24,7 @@ from ddlscope.runtime.ps_server import serve
 from ddlscope.runtime.rows import RowWriter, leave_done_marker, rank_file, read_records, remote_rank_file
 from ddlscope.runtime.trace import traces_dir_for
 from ddlscope.specs import ClusterSpec, Experiment
-from ddlscope.strategies import STRATEGIES
+from ddlscope.strategies import runtime_class
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.strategies.comm import LinkModel
 from ddlscope.workloads import WORKLOADS
@@ -106,7 +106,7 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
 def _take_part(exp: Experiment, ctx: RunContext, writer: RowWriter, run_dir: Path) -> dict[str, Any]:
     """Serve (a parameter-server rank) or train and save; what this rank reports to the launcher."""
     task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-    strategy = STRATEGIES.get(exp.strategy.name)(exp.strategy, ctx)
+    strategy = runtime_class(exp.strategy)(exp.strategy, ctx)
     if getattr(strategy, "is_server", lambda: False)():
         serve(task, strategy, ctx, writer)  # type: ignore[arg-type]
         return {"rank": ctx.rank, "role": "server"}

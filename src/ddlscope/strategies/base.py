@@ -1,16 +1,20 @@
-"""What every strategy provides, and the context it runs in.
+"""What every strategy's runtime class provides, and the context it runs in.
 
-The runtime owns the training loop and its timers (runtime/loop.py); a
-strategy only says how the model is distributed (`wrap`), what explicit
-communication follows the backward pass (`synchronize`), and what it sent
-(`comm_stats`). That keeps timing and accounting in one place for all of them.
+The runtime owns the training loop and its timers (runtime/loop.py). A
+strategy says how the model is distributed (`wrap`), what explicit
+communication follows the backward pass (`synchronize`) and what it sent
+(`comm_stats`); a strategy that owns its whole step (micro-batches, local
+updates, pipeline schedules) overrides `train_step`, and marks its phases on
+the timer the runtime hands it, so timing and accounting stay in one place.
+Its knobs and traits are its torch-free spec (ddlscope.specs.strategies).
 """
 
 from __future__ import annotations
 
 from abc import ABC
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -38,22 +42,57 @@ class RunContext:
         self.workers = self.workers or self.world_size
 
 
-class Strategy(ABC):
-    spec_class: ClassVar[type[StrategySpec]]
-    description: ClassVar[str]
-    # False when the optimizer runs elsewhere (a parameter server): the loop only zeroes gradients.
-    local_optimizer: ClassVar[bool] = True
-    # True when a forward pass needs every rank (sharded parameters): all ranks then evaluate together.
-    collective_forward: ClassVar[bool] = False
+class StepTimer(Protocol):
+    """The runtime's phase timer (runtime/timer.py): `with timer.phase("forward"): ...`.
 
+    Phases are data, forward, backward, synchronize and optimizer; a phase may
+    be entered several times a step (micro-batches) and its times add up.
+    """
+
+    def phase(self, name: str) -> AbstractContextManager[Any]: ...
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Strategy(ABC):
     def __init__(self, spec: StrategySpec, ctx: RunContext):
         self.spec = spec
         self.ctx = ctx
         self.comm = CommRecorder(ctx.link, ctx.workers)
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loss_fn: LossFn | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module to train (e.g. wrapped in DDP). The model is already on the device."""
         return model
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> None:
+        """What `train_step` trains: the wrapped model, its optimizer and the workload's loss."""
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+
+    def train_step(self, batch: Batch, timer: StepTimer) -> float:
+        """One optimizer step on this rank's batch; returns its loss.
+
+        The default is forward, backward, `synchronize`, optimizer step. A
+        strategy that owns its step overrides this and marks its phases on
+        `timer`; the runtime turns them into the step's breakdown.
+        """
+        assert self.model is not None and self.optimizer is not None and self.loss_fn is not None
+        x, y = batch
+        with timer.phase("forward"):
+            loss = self.loss_fn(self.model(x), y)
+        with timer.phase("backward"):
+            loss.backward()
+        with timer.phase("synchronize"):
+            self.synchronize(self.model)
+        with timer.phase("optimizer"):
+            if self.spec.traits.local_optimizer:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss.item()
 
     def synchronize(self, model: nn.Module) -> None:
         """Explicit communication after backward and before the optimizer step (none by default)."""

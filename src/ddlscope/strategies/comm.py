@@ -22,16 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-# Kinds of messages and the bytes each puts on one rank's link (ring algorithms:
-# Patarasuk & Yuan; the same forms as the predictor's collective models).
-WIRE_FACTORS: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,  # reduce-scatter + all-gather of the payload
-    "reduce_scatter": lambda n: (n - 1) / n,  # payload = the full input
-    "all_gather": lambda n: n - 1,  # payload = this rank's shard; it receives n-1 of them
-    "broadcast": lambda n: 1.0,
-    "p2p": lambda n: 1.0,
-}
-
+from ddlscope.specs.wire import wire_bytes
 
 @dataclass(frozen=True)
 class LinkModel:
@@ -41,8 +32,7 @@ class LinkModel:
     bandwidth_bytes_per_s: float
 
     def transfer_s(self, kind: str, payload_bytes: int, ranks: int) -> float:
-        wire_bytes = payload_bytes * WIRE_FACTORS[kind](max(ranks, 1)) if ranks > 1 or kind == "p2p" else 0.0
-        return self.alpha_s + wire_bytes / self.bandwidth_bytes_per_s
+        return self.alpha_s + wire_bytes(kind, payload_bytes, ranks) / self.bandwidth_bytes_per_s
 
 
 @dataclass

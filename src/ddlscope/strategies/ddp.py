@@ -7,54 +7,24 @@ and can split backward into compute and exposed communication wait.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, model_validator
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from ddlscope.specs import StrategySpec, remember_spec_class
-from ddlscope.strategies import STRATEGIES
+from ddlscope.specs.strategies.ddp import DDPSpec
+from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import Strategy
 from ddlscope.strategies.comm import CommRecorder
-
-_POWERSGD_CALL = re.compile(r"^powersgd\((\d+)\)$")
-
-
-class DDPSpec(StrategySpec):
-    name: Literal["ddp"] = "ddp"
-    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB (DDP's bucket_cap_mb)")
-    gradient_as_bucket_view: bool = Field(False, description="gradients are views into the all-reduce buckets")
-    static_graph: bool = Field(False, description="tell DDP the graph does not change between steps")
-    comm_hook: Literal["none", "fp16", "powersgd"] = Field(
-        "none", description="none (plain all-reduce), fp16 (compress to fp16), powersgd (low-rank); powersgd(R) sets the rank")
-    powersgd_rank: int = Field(1, ge=1, description="PowerSGD matrix approximation rank")
-    powersgd_start_iter: int = Field(2, ge=2, description="plain all-reduce before this iteration (torch needs >= 2)")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _parse_powersgd_call(cls, data: Any) -> Any:
-        """Accept comm_hook = "powersgd(4)" as shorthand for the hook plus its rank."""
-        if isinstance(data, dict) and isinstance(data.get("comm_hook"), str):
-            match = _POWERSGD_CALL.match(data["comm_hook"].strip())
-            if match:
-                data = {**data, "comm_hook": "powersgd", "powersgd_rank": int(match.group(1))}
-        return data
-
-
-remember_spec_class(DDPSpec)
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-@STRATEGIES.register("ddp")
+@RUNTIMES.register(DDPSpec)
 class DDP(Strategy):
-    spec_class = DDPSpec
-    description = "torch DistributedDataParallel: bucketed all-reduce overlapped with backward; fp16/PowerSGD hooks"
     spec: DDPSpec
 
     def wrap(self, model: nn.Module) -> nn.Module:

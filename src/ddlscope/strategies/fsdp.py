@@ -14,44 +14,26 @@ FSDP is in `FSDP.comm_stats`.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-from ddlscope.specs import ConfigError, StrategySpec, remember_spec_class
-from ddlscope.strategies import STRATEGIES
+from ddlscope.specs import ConfigError, StrategySpec
+from ddlscope.specs.strategies.fsdp import FSDPSpec
+from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.strategies.comm import CommRecorder, CommStats, Pending
 
 clock = time.perf_counter
 
 
-class FSDPSpec(StrategySpec):
-    name: Literal["fsdp"] = "fsdp"
-    reshard_after_forward: bool = Field(
-        True, description="free gathered parameters after each unit's forward and gather them again for backward "
-                          "(ZeRO-3); False keeps them until backward (less communication, more memory)")
-    wrap: Literal["block", "model"] = Field(
-        "block", description="block: one FSDP unit per transformer block (model.blocks) or per top-level child "
-                             "with parameters, plus the root; model: one unit for the whole model")
-    mixed_precision: Literal["none", "bf16"] = Field(
-        "none", description="bf16: gather and compute in bf16, reduce gradients and keep sharded parameters in fp32")
-
-
-remember_spec_class(FSDPSpec)
-
-
-@STRATEGIES.register("fsdp")
+@RUNTIMES.register(FSDPSpec)
 class FSDP(Strategy):
-    spec_class = FSDPSpec
-    description = "torch FSDP2 (fully_shard): parameters, gradients and optimizer state sharded over all ranks"
-    collective_forward = True  # every unit's all-gather needs all ranks, evaluation included
     spec: FSDPSpec
 
     def __init__(self, spec: StrategySpec, ctx: RunContext):

@@ -6,38 +6,23 @@ parameters (servers=1 is the single, CPU-bound server of the main study);
 the first cluster.world_size ranks are workers. Each step a worker pushes its
 gradient shard to every server and pulls the new parameter shard back. The
 servers' loop lives in runtime/ps_server.py; this module holds the worker
-side, the message layout and each protocol's rules:
-
-- ps-sync: a server averages one push from every worker, applies the
-  optimizer once, and answers all of them: the same update as DDP.
-- ps-async: every push is applied on arrival (gradient / workers, so a round
-  of pushes moves the model as far as one synchronous step) and answered at
-  once. With block_cyclic, a worker pushes and pulls one server's block per
-  step, block (worker + step) mod servers (block-partitioned asynchronous SGD
-  with momentum, PAPERS.md item 2): 1/servers of the traffic, and each block
-  hears from workers / servers of them per round.
-- ssp: like async, but a worker that pushed step t gets its answer only when
-  every worker has pushed step t - s: nobody runs more than s steps ahead of
-  the slowest. s = 0 is synchronous.
-- ps-stale-aware: async, with each gradient scaled by 1 / (1 + staleness)
-  (staleness-aware learning rate, Zhang et al. 2016), and a full
-  synchronisation (an s = 0 barrier) every `sync_every` steps.
+side and the message layout. Each protocol's rules (who may run ahead, how a
+stale gradient is scaled, which blocks a worker exchanges) are methods of its
+spec, in specs/strategies/ps.py.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 from torch import nn
 
-from ddlscope.specs import StrategySpec, remember_spec_class
-from ddlscope.strategies import STRATEGIES
+from ddlscope.specs.strategies.ps import PSSpec
+from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import RunContext, Strategy
 
 # Message layout: a header (int64) then, for pushes and replies, a float32 payload.
@@ -53,81 +38,10 @@ def shard_ranges(numel: int, shards: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-class PSSpec(StrategySpec):
-    servers: int = Field(1, ge=1, description="server ranks, each owning a shard of the parameters")
-
-    def extra_ranks(self) -> int:
-        return self.servers
-
-    def staleness_bound(self, step: int) -> float:
-        """How many steps a worker that pushed `step` may run ahead of the slowest."""
-        return math.inf
-
-    def gradient_scale(self, staleness: int) -> float:
-        return 1.0
-
-    def blocks_pushed(self, worker: int, step: int) -> list[int]:
-        """The servers (indices into the server ranks) a worker pushes to and pulls from at `step`."""
-        return list(range(self.servers))
-
-    def pushes_per_round(self, workers: int) -> float:
-        """Pushes one server takes in a round of one step per worker: an asynchronous push moves the
-        model 1 / this as far as a synchronous step would."""
-        return workers
-
-    averages_rounds: ClassVar[bool] = False  # True: one averaged update per round (ps-sync)
-
-
-class PSSyncSpec(PSSpec):
-    averages_rounds: ClassVar[bool] = True
-    name: Literal["ps-sync"] = "ps-sync"
-
-    def staleness_bound(self, step: int) -> float:
-        return 0
-
-
-class PSAsyncSpec(PSSpec):
-    name: Literal["ps-async"] = "ps-async"
-    block_cyclic: bool = Field(
-        False, description="each step push one server's block of the gradient and pull that block only, "
-                           "block (worker + step) mod servers: 1/servers of the traffic, each block updated "
-                           "asynchronously with the servers' momentum (PAPERS.md item 2)")
-
-    def blocks_pushed(self, worker: int, step: int) -> list[int]:
-        return [(worker + step) % self.servers] if self.block_cyclic else super().blocks_pushed(worker, step)
-
-    def pushes_per_round(self, workers: int) -> float:
-        # A block hears from workers / servers of them per round; never scaled up when fewer.
-        return max(workers / self.servers, 1.0) if self.block_cyclic else workers
-
-
-class SSPSpec(PSSpec):
-    name: Literal["ssp"] = "ssp"
-    staleness: int = Field(2, ge=0, description="s: how many steps a worker may run ahead of the slowest")
-
-    def staleness_bound(self, step: int) -> float:
-        return self.staleness
-
-
-class StaleAwareSpec(PSSpec):
-    name: Literal["ps-stale-aware"] = "ps-stale-aware"
-    sync_every: int = Field(10, ge=1, description="full synchronisation of all workers every N steps")
-
-    def staleness_bound(self, step: int) -> float:
-        return 0 if (step + 1) % self.sync_every == 0 else math.inf
-
-    def gradient_scale(self, staleness: int) -> float:
-        return 1.0 / (1 + max(staleness, 0))
-
-
-for _spec in (PSSyncSpec, PSAsyncSpec, SSPSpec, StaleAwareSpec):
-    remember_spec_class(_spec)
-
-
+@RUNTIMES.register(PSSpec)
 class ParameterServer(Strategy):
     """Worker side of every PS protocol; servers run runtime/ps_server.py."""
 
-    local_optimizer = False
     spec: PSSpec
 
     def __init__(self, spec: PSSpec, ctx: RunContext):
@@ -213,27 +127,3 @@ def _write_range(params: list[nn.Parameter], lo: int, values: torch.Tensor) -> N
                 p.copy_(values[i:j].view_as(p))
             else:  # a shard boundary cuts it: a flat view (parameters are contiguous)
                 p.view(-1)[a:b].copy_(values[i:j])
-
-
-@STRATEGIES.register("ps-sync")
-class PSSync(ParameterServer):
-    spec_class = PSSyncSpec
-    description = "parameter server, synchronous: average every worker's push, one update, all pull"
-
-
-@STRATEGIES.register("ps-async")
-class PSAsync(ParameterServer):
-    spec_class = PSAsyncSpec
-    description = "parameter server, asynchronous: apply each push on arrival; staleness recorded"
-
-
-@STRATEGIES.register("ssp")
-class SSP(ParameterServer):
-    spec_class = SSPSpec
-    description = "stale synchronous parallel: async, but no worker more than s steps ahead of the slowest"
-
-
-@STRATEGIES.register("ps-stale-aware")
-class PSStaleAware(ParameterServer):
-    spec_class = StaleAwareSpec
-    description = "async PS with lr / (1 + staleness) and a full synchronisation every sync_every steps"

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
-
-from ddlscope.specs import StrategySpec, remember_spec_class
-from ddlscope.strategies import STRATEGIES
+from ddlscope.specs.strategies.single import SingleSpec
+from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import Strategy
 
 
-class SingleSpec(StrategySpec):
-    single_process: ClassVar[bool] = True
-    splits_global_batch: ClassVar[bool] = False
-
-    name: Literal["single"] = "single"
-
-
-remember_spec_class(SingleSpec)
-
-
-@STRATEGIES.register("single")
+@RUNTIMES.register(SingleSpec)
 class Single(Strategy):
-    spec_class = SingleSpec
-    description = "one process, whole global batch per step; the baseline for speedup"
+    """Nothing to distribute: the base class's step as it is."""

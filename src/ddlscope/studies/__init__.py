@@ -1,6 +1,6 @@
 """Studies: named sets of experiments with their own analysis and report, one registry."""
 
-from ddlscope.registry import Registry
+from ddlscope.specs.registry import Registry
 from ddlscope.studies.base import Cell, CellResult, Findings, Study
 
 STUDIES: Registry[type[Study]] = Registry("study")

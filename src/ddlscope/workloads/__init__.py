@@ -1,6 +1,6 @@
 """Workloads: models + datasets + metrics, one registry."""
 
-from ddlscope.registry import Registry
+from ddlscope.specs.registry import Registry
 from ddlscope.workloads.base import Dataset, EvalResult, Task, TensorDataset, Workload
 
 WORKLOADS: Registry[type[Workload]] = Registry("workload")

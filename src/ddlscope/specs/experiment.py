@@ -1,27 +1,21 @@
-"""Experiment specs: what to train, how to distribute it, and on what cluster.
+"""The experiment: what to train (workload), how to distribute it (strategy), on what cluster.
 
-Pydantic v2 models, one per concern. Workload and strategy plugins subclass
-`WorkloadSpec` / `StrategySpec` with their own knobs (extra fields forbidden),
-so an unknown knob is an error rather than silently ignored. Resolving a
-plugin name to its spec class happens in `ddlscope.runtime.config`, which
-knows the registries; this module knows none of them.
+Workload plugins subclass `WorkloadSpec` with their own knobs, strategies
+`StrategySpec` (specs/strategy.py); extra fields are forbidden, so an unknown
+knob is an error rather than silently ignored. Resolving a plugin name to its
+spec class happens in `ddlscope.runtime.config`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
+from pydantic import Field, SerializeAsAny, model_validator
 
-
-class ConfigError(ValueError):
-    """A user's configuration is invalid. Its message is one line for the terminal."""
-
-
-class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+from ddlscope.specs.base import ConfigError, Spec, remember_spec_class
+from ddlscope.specs.strategy import StrategySpec
 
 
 class WorkloadSpec(Spec):
@@ -36,20 +30,6 @@ class WorkloadSpec(Spec):
     lr: float = Field(0.05, gt=0, description="learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0)
-
-
-class StrategySpec(Spec):
-    """Fields shared by every strategy; subclasses add their knobs."""
-
-    # How the strategy uses the cluster; checked before any process starts.
-    splits_global_batch: ClassVar[bool] = True  # each rank takes batch_size / world_size samples
-    single_process: ClassVar[bool] = False  # only world_size 1 makes sense
-
-    name: str = Field(description="registered strategy name")
-
-    def extra_ranks(self) -> int:
-        """Processes beyond cluster.world_size training ranks (e.g. parameter servers)."""
-        return 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +163,7 @@ class Experiment(Spec):
                              "`ddlscope trace RUN` merges them")
 
     def per_rank_batch(self) -> int:
-        if self.strategy.splits_global_batch:
+        if self.strategy.traits.splits_global_batch:
             return self.workload.batch_size // self.cluster.world_size
         return self.workload.batch_size
 
@@ -191,48 +171,18 @@ class Experiment(Spec):
 def check_consistency(exp: Experiment) -> None:
     """Cross-section checks that no single section can make on its own."""
     ws = exp.cluster.world_size
-    if exp.strategy.single_process and ws != 1:
+    if exp.strategy.traits.single_process and ws != 1:
         raise ConfigError(
             f"cluster.world_size = {ws}: strategy {exp.strategy.name} runs one process; use world_size 1"
         )
     if exp.strategy.extra_ranks() and exp.cluster.nnodes > 1:
         raise ConfigError(f"cluster.nnodes = {exp.cluster.nnodes}: strategy {exp.strategy.name} runs on one node for now")
-    if exp.strategy.splits_global_batch and exp.workload.batch_size % ws:
+    if exp.strategy.traits.splits_global_batch and exp.workload.batch_size % ws:
         raise ConfigError(
             f"workload.batch_size = {exp.workload.batch_size}: must be divisible by cluster.world_size = {ws} "
             f"for strategy {exp.strategy.name} (each rank takes batch_size / world_size samples)"
         )
 
 
-def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """Turn pydantic's first error into one line: field, value, what is allowed."""
-    first = err.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
-    value = first.get("input")
-    if first["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(_allowed_fields(err.title, first["loc"])))
-        return f"{loc} = {value!r}: unknown field; allowed: {allowed}"
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "value_error" or not first["loc"]:
-        return f"{loc or prefix}: {msg}"
-    return f"{loc} = {value!r}: {msg}"
-
-
-_SPEC_CLASSES: dict[str, type[BaseModel]] = {}
-
-
-def remember_spec_class(cls: type[BaseModel]) -> None:
-    """Let error messages list the fields of a plugin's spec class."""
-    _SPEC_CLASSES[cls.__name__] = cls
-
-
-def _allowed_fields(title: str, loc: tuple[Any, ...]) -> list[str]:
-    model: Any = _SPEC_CLASSES.get(title) or globals().get(title)
-    for part in loc[:-1]:
-        field = model.model_fields.get(part) if model else None
-        model = getattr(field, "annotation", None) if field else None
-    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
-
-
-for _cls in (WorkloadSpec, StrategySpec, NetworkSpec, Fault, ClusterSpec, Experiment):
+for _cls in (WorkloadSpec, NetworkSpec, Fault, ClusterSpec, Experiment):
     remember_spec_class(_cls)

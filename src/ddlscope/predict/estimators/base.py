@@ -1,0 +1,116 @@
+"""What an estimator is given and what it returns, at cluster scale and on this machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ddlscope.predict.catalogue import Cluster
+from ddlscope.predict.machine import STATE_TENSORS
+from ddlscope.predict.strategies import ServerSpec, StrategyEstimate, Workload
+from ddlscope.specs import StrategySpec
+
+
+@dataclass(frozen=True)
+class ClusterCase:
+    """One experiment's workload on a GPU cluster, as advise prices every strategy on it."""
+
+    workload: Workload  # per-worker FLOPs, batch, bytes; achieved fraction of the device's peak
+    cluster: Cluster
+    stragglers: float  # one worker this many times slower (1: none)
+    slowdowns: Sequence[float] | None  # per worker, or None when all are equal
+    server: ServerSpec  # the parameter server(s) a server strategy would use
+    activation_bytes: float  # saved for backward, per worker's batch
+    weight_bytes_per_param: float
+    optimizer_bytes_per_param: float
+
+    @property
+    def replicated_state_bytes(self) -> float:
+        """Weights, gradients and optimizer state of the whole model."""
+        return self.workload.params * (2 * self.weight_bytes_per_param + self.optimizer_bytes_per_param)
+
+
+@dataclass(frozen=True)
+class LocalCase:
+    """One stored run's configuration on this machine, with what every local estimate shares."""
+
+    world: int  # training ranks
+    servers: int  # extra ranks (spec.extra_ranks())
+    cores: int
+    link: tuple[float, float] | None  # the emulated network (alpha_s, bytes/s), None for the real one
+    profile: dict[str, Any]  # the calibration
+    facts: dict[str, Any]  # the workload's FLOPs, ops and tensor sizes (the step profiler's)
+    alone_s: float  # one rank's compute with the machine to itself
+    op_s: float  # per-op overhead
+    memory_bandwidth: float  # bytes/s
+    optimizer_kind: str  # sgd, sgd-momentum, adamw
+    per_tensor_s: float  # the optimizer's per-tensor overhead
+
+    @property
+    def param_bytes(self) -> float:
+        return float(self.facts["param_bytes"])
+
+
+@dataclass
+class LocalComm:
+    """A strategy's communication per step on this machine, and which waits its probes hold already."""
+
+    comm_s: float = 0.0
+    # A probe of this strategy holds the ranks' per-step synchronisation wait (the calibrated
+    # sync_overhead_s must not be added again) ...
+    holds_sync_wait: bool = False
+    # ... and the turn-taking of more computing ranks than cores at that synchronisation.
+    holds_turn_taking: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LocalStep:
+    """The compute part of a local step, for estimators whose communication depends on it."""
+
+    stretch: float
+    forward_s: float
+    backward_s: float
+    zero_grad_s: float
+
+
+class Estimator:
+    """A strategy's predictor. Subclasses implement `cluster`, `cluster_memory` and `local_comm`;
+    the other methods have the defaults of a data-parallel strategy that replicates the model."""
+
+    # ------------------------------------------------------------------ cluster scale (advise)
+    def cluster(self, spec: StrategySpec, case: ClusterCase) -> StrategyEstimate:
+        """Step time, communication and throughput on the GPU cluster."""
+        raise NotImplementedError
+
+    def cluster_memory(self, spec: StrategySpec, case: ClusterCase) -> tuple[float, float | None]:
+        """(bytes per GPU, bytes per server or None): model states plus activations."""
+        raise NotImplementedError
+
+    def cluster_notes(self, spec: StrategySpec, case: ClusterCase) -> list[str]:
+        """What advise should say of this strategy on this case beyond the estimate's own notes."""
+        return []
+
+    # ------------------------------------------------------------------ this machine (predict --against)
+    def local_compute_stretch(self, spec: StrategySpec, case: LocalCase) -> float | None:
+        """How much a rank's compute stretches beside the others, where a probe of this strategy
+        measured it; None: the synchronisation probe's."""
+        return None
+
+    def local_optimizer_bytes(self, spec: StrategySpec, case: LocalCase) -> float:
+        """Parameter bytes the optimizer steps on one worker."""
+        return case.param_bytes
+
+    def local_comm(self, spec: StrategySpec, case: LocalCase, step: LocalStep) -> LocalComm:
+        """Communication per step on this machine."""
+        raise NotImplementedError
+
+    def local_memory(self, spec: StrategySpec, case: LocalCase) -> dict[str, dict[str, int]]:
+        """Model-state bytes of a worker (and of a server): replicated by default."""
+        full = int(case.param_bytes)
+        return {"worker": {"parameters": full, "gradients": full, "optimizer": state_tensors(case) * full}}
+
+
+def state_tensors(case: LocalCase) -> int:
+    """Optimizer state tensors per parameter (SGD none, momentum one, Adam two)."""
+    return STATE_TENSORS[case.optimizer_kind]

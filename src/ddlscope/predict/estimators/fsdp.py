@@ -1,0 +1,58 @@
+"""`fsdp`: parameters gathered per unit for forward and backward, gradients reduce-scattered."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ddlscope.predict import strategies as pst
+from ddlscope.predict.estimators import ESTIMATORS
+from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
+from ddlscope.predict.machine import emulated_s, interpolate_linear, machine_probe, message_s, shard_bytes
+from ddlscope.specs.strategies.fsdp import FSDPSpec
+
+
+@ESTIMATORS.register(FSDPSpec)
+class FSDPEstimator(Estimator):
+    def cluster(self, spec: FSDPSpec, case: ClusterCase) -> pst.StrategyEstimate:
+        # the slowest worker sets every synchronous step: FSDP's collectives hide behind its longer compute
+        slowest = replace(case.workload, achieved_fraction=case.workload.achieved_fraction / case.stragglers)
+        return pst.fsdp(slowest, case.cluster, 3)
+
+    def cluster_memory(self, spec: FSDPSpec, case: ClusterCase) -> tuple[float, float | None]:
+        units = case.workload.layers
+        gathered = 2 * case.weight_bytes_per_param * case.workload.params / units  # the unit in use and the next
+        return case.replicated_state_bytes / case.cluster.n_gpus + gathered + case.activation_bytes, None
+
+    def local_optimizer_bytes(self, spec: FSDPSpec, case: LocalCase) -> float:
+        return shard_bytes(case.facts, case.world)
+
+    def local_memory(self, spec: FSDPSpec, case: LocalCase) -> dict[str, dict[str, int]]:
+        shard = shard_bytes(case.facts, case.world)  # dim-0 shards padded to ceil(dim0 / world)
+        return {"worker": {"parameters": shard, "gradients": shard, "optimizer": state_tensors(case) * shard}}
+
+    def local_comm(self, spec: FSDPSpec, case: LocalCase, step: LocalStep) -> LocalComm:
+        """Per unit: the calibrated FSDP cost at its size (hooks, copies, its collectives on this
+        machine), or, where an emulated link is slower, the smallest unit's cost + the link's time for
+        its all-gathers and reduce-scatter. The probe times whole synchronised steps, as DDP's does."""
+        units = [u for u in case.facts["fsdp_units"] if u > 0]
+        if spec.wrap == "model":
+            units = [int(case.param_bytes)]
+        probe = machine_probe(case.profile, "fsdp", case.world)
+        comm = LocalComm(holds_sync_wait=bool(probe), holds_turn_taking=bool(probe))
+        if not probe:
+            comm.notes.append("fsdp: the calibration has no FSDP per-unit probe (rerun ddlscope calibrate)")
+        world, link = case.world, case.link
+        for i, unit in enumerate(units):
+            gathers = 1 if (i == len(units) - 1 and len(units) > 1) or not spec.reshard_after_forward else 2
+            if not probe:
+                comm.comm_s += (gathers * message_s(case.profile, "all_gather", unit / world, world, link)
+                                + message_s(case.profile, "reduce_scatter", unit, world, link))
+                continue
+            machine_s = interpolate_linear(probe["unit_bytes"], probe["unit_overhead_s"], unit)
+            if link is not None:
+                link_s = (gathers * emulated_s(link, "all_gather", unit / world, world)
+                          + emulated_s(link, "reduce_scatter", unit, world))
+                # the emulated link waits out its own time; the machine's fixed cost (the smallest unit's) remains
+                machine_s = max(machine_s, float(probe["unit_overhead_s"][0]) + link_s)
+            comm.comm_s += machine_s
+        return comm

@@ -1,0 +1,76 @@
+"""The phase timer: one step's wall time split into phases that add up to the step.
+
+The training loop hands it to `Strategy.train_step`, so a strategy that owns
+its step (micro-batches, local updates, a pipeline schedule) is timed by the
+same code as the default forward/backward/synchronize/optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from ddlscope.runtime.instrument import device_sync
+
+clock = time.perf_counter
+PHASES = ("data", "forward", "backward", "synchronize", "optimizer")
+COMPUTE_PHASES = ("forward", "backward")
+
+
+class PhaseTimer:
+    """Phases are contiguous: the time from the end of one phase to the start of the next belongs to
+    the next, so every moment of a step is in exactly one phase. A phase entered several times in a
+    step (one per micro-batch) adds up. Each phase ends with a device synchronisation, so host clocks
+    measure device work on GPUs too.
+
+    `after_forward(forward_s)` runs after each forward phase, its time counted in that phase (the
+    straggler emulation sleeps there); `after_backward()` after each backward phase (memory is
+    measured there, before the optimizer frees the gradients), its time counted in the next phase.
+    """
+
+    def __init__(self, device: torch.device, label: Callable[[str], AbstractContextManager[Any]],
+                 after_forward: Callable[[float], None] = lambda _s: None,
+                 after_backward: Callable[[], None] = lambda: None):
+        self.device, self._label = device, label
+        self._after_forward, self._after_backward = after_forward, after_backward
+        self.start(clock())
+
+    def start(self, now_s: float) -> None:
+        """A new step begins at `now_s`."""
+        self.step_start_s = self._mark_s = now_s
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.entries = dict.fromkeys(PHASES, 0)
+        self.compute_cpu_s = 0.0  # thread CPU time inside forward and backward
+        self.backward_end_s = now_s
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in self.seconds:
+            raise ValueError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
+        cpu_start_s = time.thread_time()
+        with self._label(name):
+            yield
+            device_sync(self.device)
+        if name in COMPUTE_PHASES:
+            self.compute_cpu_s += time.thread_time() - cpu_start_s
+        if name == "forward":
+            self._after_forward(clock() - self._mark_s)
+        self._close(name)
+        if name == "backward":
+            self.backward_end_s = self._mark_s
+            self._after_backward()
+
+    def _close(self, name: str) -> None:
+        now = clock()
+        self.seconds[name] += now - self._mark_s
+        self.entries[name] += 1
+        self._mark_s = now
+
+    @property
+    def end_s(self) -> float:
+        """When the last phase so far ended."""
+        return self._mark_s
