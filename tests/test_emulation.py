@@ -4,6 +4,8 @@ import json
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from ddlscope.runtime.config import load_experiment
 from ddlscope.runtime.emulation import resolve_link
@@ -29,6 +31,49 @@ def test_messages_on_one_link_are_serialised():
     assert 0.04 <= elapsed < 0.04 * 1.25 + 0.01
     stats = recorder.pop(backward_end_s=time.perf_counter())
     assert stats.bytes_sent == 40_000 and stats.total_s == pytest.approx(elapsed, rel=0.1)
+
+
+class _FinishedWork(dist.Work):
+    """A backend Work whose transfer is already over: all waiting left is the emulated link's."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def _wait_completed(recorder, pending):
+    recorder.completed(pending)
+
+
+def _wait_future(recorder, pending):
+    future = torch.futures.Future()
+    delayed = recorder.complete_future(future, pending)
+    future.set_result(None)
+    delayed.wait()
+
+
+def _wait_work(recorder, pending):
+    recorder.complete_work(_FinishedWork(), pending).wait()
+
+
+@pytest.mark.parametrize("wait", [_wait_completed, _wait_future, _wait_work],
+                         ids=["completed", "future", "work"])
+def test_each_completion_path_really_waits_the_modelled_time(wait):
+    # The recorded interval ends at max(now, ready), so a short sleep still books the full
+    # transfer; only the caller's wall clock shows whether the step really waited. The model is
+    # written out here rather than taken from LinkModel.transfer_s, so a shrunken link time shows.
+    alpha_s, bandwidth, payload = 0.01, 1e6, 40_000
+    modelled_s = alpha_s + payload / bandwidth  # 50 ms, well above sleep's granularity
+    recorder = CommRecorder(LinkModel(alpha_s=alpha_s, bandwidth_bytes_per_s=bandwidth), ranks=2)
+    began = time.perf_counter()
+    pending = recorder.launched(payload, "p2p")
+    wait(recorder, pending)
+    waited_s = time.perf_counter() - began
+    assert 0.97 * modelled_s <= waited_s <= modelled_s + 0.03, \
+        f"waited {waited_s * 1e3:.1f} ms of {modelled_s * 1e3:.0f}"
+    assert recorder.pop(backward_end_s=time.perf_counter()).total_s == pytest.approx(waited_s, abs=0.005)
 
 
 def test_named_profiles_and_scaled_mode_are_recorded():

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from conftest import run_cli
+from ddlscope.runtime.instrument import optimizer_state_bytes, parameter_bytes
 from ddlscope.specs import ConfigError
 from ddlscope.strategies.comm import CommRecorder, LinkModel, _RecordedWork
 from ddlscope.strategies.fsdp import (
@@ -115,6 +116,24 @@ def test_fsdp_writes_a_dcp_checkpoint_of_the_final_model(ddp_and_fsdp):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
+def test_optimizer_state_is_two_adam_moments_and_fsdp_halves_it(ddp_and_fsdp):
+    folder, ddp, fsdp = ddp_and_fsdp
+    state = {}
+    for strategy, run_id in (("ddp", ddp), ("fsdp", fsdp)):
+        rows = _query(folder, "SELECT rank, category, bytes FROM memory WHERE run_id=? AND category IN "
+                              "('parameters', 'optimizer')", run_id)
+        state[strategy] = {(rank, category): b for rank, category, b in rows}
+    params = sum(p.numel() for p in _gpt_model().parameters())
+    for rank in (0, 1):
+        # fp32 AdamW: exp_avg and exp_avg_sq of every parameter, 1-D norms and biases included
+        assert state["ddp"][rank, "parameters"] == 4 * params
+        assert state["ddp"][rank, "optimizer"] == 2 * 4 * params, f"ddp rank {rank}"
+        # Every dim-0 size is even: each rank holds exactly half, not less (state lost) nor more.
+        assert state["fsdp"][rank, "optimizer"] == state["ddp"][rank, "optimizer"] // 2, f"fsdp rank {rank}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
 def test_fsdp_shards_model_state_over_4_ranks(tmp_path):
     common = ("--workload", "gpt-synthetic", "--world-size", "4", "--set", "workload.layers=2",
               "--set", "workload.hidden=256", "--set", "workload.seq_len=16", "--batch-size", "4",
@@ -199,3 +218,14 @@ def test_timed_collectives_record_sync_and_async_ops():
         torch.testing.assert_close(full, shard)
     finally:
         dist.destroy_process_group()
+
+
+def test_optimizer_state_counts_both_adam_moments_of_every_parameter():
+    # Biases and norm weights are 1-D; they hold state too. Adam keeps exp_avg and exp_avg_sq
+    # (each the parameter's size and dtype) plus a 0-d `step` per parameter, which the count leaves out.
+    model = nn.Sequential(nn.Linear(6, 4), nn.LayerNorm(4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
+    assert parameter_bytes(model) == 4 * (6 * 4 + 4 + 4 + 4)
+    assert optimizer_state_bytes(optimizer) == 2 * parameter_bytes(model)

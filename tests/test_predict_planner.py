@@ -93,3 +93,19 @@ def test_plan_refuses_bad_arguments_and_reports_when_nothing_fits():
         plan(MTNLG, parse_cluster("a100-80gb:1x8"), rank_by="speed")
     result = plan(MTNLG, parse_cluster("a100-80gb:1x8"))  # 530B on 8 GPUs
     assert result.feasible == 0 and result.rows == []
+
+
+def test_plan_only_returns_configurations_within_device_memory():
+    # 7B on one 8-GPU A100 node: the fastest configurations overall need ~94 GB per GPU, just over
+    # the 80 GiB (85.9 GB) card, so a fit check with slack would rank them first. Memory is checked
+    # against the device here, not through the planner's own `fits` flag.
+    model = ModelSpec(hidden=4096, heads=32, layers=32, seq=2048, vocab=51200, global_batch=512)
+    cluster = parse_cluster("a100-80gb:1x8")
+    capacity = cluster.device.memory_bytes
+    memory = evaluate(model, cluster, candidate_configs(model, cluster))["memory_bytes"]
+    assert np.count_nonzero((memory > capacity) & (memory <= 1.1 * capacity)) > 50  # the case tests something
+    result = plan(model, cluster, top=10)
+    for row in result.rows:
+        used_gb = row.prediction.memory_gb_per_gpu
+        assert used_gb <= capacity / 1e9, f"rank {row.rank} needs {used_gb:.1f} GB > {capacity / 1e9:.1f} GB"
+    assert result.feasible == np.count_nonzero(memory <= capacity)
