@@ -123,6 +123,29 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     return LoopResult(spec.steps, train_s, loss_value, model, optimizer)
 
 
+class _Straggler:
+    """An emulated slow rank (cluster.slowdown, cluster.jitter): it computes `stretch` times slower,
+    the extra time slept after each forward pass so that it shows as forward time."""
+
+    def __init__(self, exp: Experiment, rank: int):
+        self.slowdown = exp.cluster.slowdown_of(rank)
+        self.jitter = exp.cluster.jitter
+        self.rng = random.Random(exp.seed * 7919 + rank) if self.jitter else None
+        self.backward_per_forward_s: float | None = None  # the last step's, not known at the first
+
+    def learn(self, backward_compute_s: float, forwards: int) -> None:
+        """The step's backward compute, shared over its forward passes (micro-batches)."""
+        self.backward_per_forward_s = backward_compute_s / max(forwards, 1)
+
+    def after_forward(self, forward_s: float) -> None:
+        """Sleep for this forward's share of the step's extra compute time, if any."""
+        stretch = self.slowdown * (1 + self.jitter * self.rng.random()) if self.rng else self.slowdown
+        if stretch <= 1:
+            return
+        backward_s = self.backward_per_forward_s or 2 * forward_s
+        time.sleep((stretch - 1) * (forward_s + backward_s))
+
+
 def _crash(writer: RowWriter, step: int) -> None:
     """An injected fault: die at once, as a killed or preempted process would."""
     writer.event("fault", f"injected crash at step {step}")
