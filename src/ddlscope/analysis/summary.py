@@ -19,6 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ddlscope.specs import STRATEGY_SPECS
 from ddlscope.store import Run, Store
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
@@ -176,13 +177,20 @@ def _add_utilization(summary: Summary, store: Store, run: Run) -> None:
                            f"{summary.timing_basis} step time; peak {source}")
 
 
+def _baseline_strategies() -> list[str]:
+    """The strategies that train on one process: a speedup's denominator."""
+    return [name for name, cls in STRATEGY_SPECS.items() if cls.traits.single_process]
+
+
 def find_single_baseline(store: Store, run: Run) -> Run | None:
-    """The newest finished `single` run of the same workload spec, the speedup's denominator."""
-    if run.strategy == "single":
+    """The newest finished one-process run of the same workload spec, the speedup's denominator."""
+    baselines = _baseline_strategies()
+    if run.strategy in baselines:
         return None
-    for candidate in store.find_runs(workload=run.workload, strategy="single"):
-        if candidate.config.get("workload") == run.config.get("workload"):
-            return candidate
+    for strategy in baselines:
+        for candidate in store.find_runs(workload=run.workload, strategy=strategy):
+            if candidate.config.get("workload") == run.config.get("workload"):
+                return candidate
     return None
 
 
@@ -250,7 +258,9 @@ def _per_rank_batch(config: dict[str, Any]) -> int | None:
         batch, world = config["workload"]["batch_size"], config["cluster"]["world_size"]
     except KeyError:
         return None
-    return batch if config["strategy"]["name"] == "single" else batch // world
+    name = config["strategy"]["name"]
+    whole_batch = name in STRATEGY_SPECS and not STRATEGY_SPECS.get(name).traits.splits_global_batch
+    return batch if whole_batch else batch // world
 
 
 def _notes(run: Run) -> list[str]:

@@ -15,6 +15,7 @@ import math
 import statistics
 from typing import Any, Callable
 
+from ddlscope.specs import STRATEGY_SPECS, strategy_specs
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell
 
@@ -45,8 +46,10 @@ KNOBS: dict[str, dict[str, Any]] = {
     "ps-stale-aware": {"sync_every": 10},
 }
 QUICK_WORKERS = 2
-DISTRIBUTED = ("ddp", "fsdp", "ps-sync", "ps-async", "ssp", "ps-stale-aware")
-PS_FAMILY = ("ps-sync", "ps-async", "ssp", "ps-stale-aware")
+# The study's subjects, by their traits: the collective strategies (DDP, FSDP) and the
+# parameter-server architectures, simplest first.
+DISTRIBUTED = tuple(c.model_fields["name"].default for c in strategy_specs() if c.traits.family in ("collective", "server"))
+PS_FAMILY = tuple(name for name in DISTRIBUTED if STRATEGY_SPECS.get(name).traits.family == "server")
 
 
 def accuracy_cell(strategy: str, network: str, workers: str, world: int, variant: str = "", seed: int = 0) -> Cell:
@@ -370,7 +373,7 @@ class _Analysis:
                 sentence += (f"; the fastest to reach {TARGET_ACCURACY:.0%} accuracy was "
                              f"{best.cell.labels['strategy']} ({self.wall(best):.1f} s)")
             servers = [r for r in accurate if r.cell.labels["strategy"] != "ps-sync"
-                       and r.cell.labels["strategy"].startswith(("ps", "ssp"))]
+                       and r.cell.labels["strategy"].partition("+")[0] in PS_FAMILY]
             sync = self.get("ps-sync", self.ps_network, "straggler")
             if servers and sync:
                 best_ps = min(servers, key=lambda r: self.wall(r) or math.inf)
