@@ -670,7 +670,7 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
     from torch.utils.flop_counter import FlopCounterMode
 
     from ddlscope.runtime.config import experiment_from_dict
-    from ddlscope.strategies.fsdp import _block_units
+    from ddlscope.strategies.units import wrap_units
     from ddlscope.workloads import WORKLOADS
 
     exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
@@ -711,7 +711,7 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
             task.loss_fn(model(x), y).backward()
         model.zero_grad(set_to_none=True)
     params = list(model.parameters())
-    units = _block_units(model)
+    units = wrap_units(model)
     unit_param_ids = {id(p) for u in units for p in u.parameters()}
     return {
         "flops": int(counter.get_total_flops()),
