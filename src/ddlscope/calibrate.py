@@ -657,73 +657,29 @@ def load_profile(path: Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the workload's step, counted
 def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
-    """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward).
-
-    FLOPs come from torch.utils.flop_counter.FlopCounterMode on the workload's model
-    with one per-rank batch, attention forced to the math kernel (the counter sees 0
-    FLOPs in CPU flash attention). Ops are counted with a dispatch mode over the same
-    step: a small model's CPU step is mostly per-op overhead, not FLOPs.
-    """
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward), from
+    the step profiler (runtime/profiler.py) with its op-counting pass: a small model's CPU step is
+    mostly per-op overhead, not FLOPs."""
     from ddlscope.runtime.config import experiment_from_dict
-    from ddlscope.strategies.units import wrap_units
+    from ddlscope.runtime.profiler import profile_task
     from ddlscope.workloads import WORKLOADS
 
     exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
     task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-    model = task.model
     per_rank = exp.per_rank_batch()
-    x, y = task.train.get(torch.arange(per_rank) % len(task.train))
-
-    class _Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-            self.other_bytes = 0
-            self.gemm_flops: list[tuple[float, float]] = []  # (flops, effective square size)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.count += 1
-            out = func(*args, **(kwargs or {}))
-            name = str(getattr(func, "__name__", func)).split(".")[0]
-            mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
-            if name in ("mm", "addmm", "bmm") and len(mats) >= 2:
-                a, b = mats[-2], mats[-1]
-                batch = a.shape[0] if a.dim() == 3 else 1
-                m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-                self.gemm_flops.append((2.0 * batch * m * k * n, (m * k * n) ** (1 / 3)))
-            else:  # memory-bound: bytes read and written
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                self.other_bytes += sum(t.nbytes for t in (*args, *outs) if isinstance(t, torch.Tensor))
-            return out
-
-    with sdpa_kernel(SDPBackend.MATH):
-        counter = FlopCounterMode(display=False)
-        with counter:
-            task.loss_fn(model(x), y).backward()
-        model.zero_grad(set_to_none=True)
-        ops = _Ops()
-        with ops:
-            task.loss_fn(model(x), y).backward()
-        model.zero_grad(set_to_none=True)
-    params = list(model.parameters())
-    units = wrap_units(model)
-    unit_param_ids = {id(p) for u in units for p in u.parameters()}
+    step = profile_task(task, per_rank, count_ops=True)
+    assert step.ops is not None
     return {
-        "flops": int(counter.get_total_flops()),
-        "ops": ops.count,
-        "gemm_flops": [f for f, _ in ops.gemm_flops],  # per matmul of the step (forward + backward)
-        "gemm_size": [n for _, n in ops.gemm_flops],  # its effective square size (m k n)^(1/3)
-        "other_op_bytes": ops.other_bytes,  # bytes moved by the step's non-matmul ops
-        "param_numel": [p.numel() for p in params],
-        "param_dim0": [p.shape[0] if p.dim() else 1 for p in params],
-        "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "fsdp_units": [sum(p.numel() * 4 for p in u.parameters()) for u in units]
-        + [sum(p.numel() * 4 for p in params if id(p) not in unit_param_ids)],
+        "flops": step.flops,
+        "ops": step.ops.ops,
+        "gemm_flops": [mm.flops for mm in step.ops.matmuls],  # per matmul of the step (forward + backward)
+        "gemm_size": [mm.effective_size for mm in step.ops.matmuls],  # its effective square size (m k n)^(1/3)
+        "other_op_bytes": step.ops.other_op_bytes,  # bytes moved by the step's non-matmul ops
+        "param_numel": list(step.param_numel),
+        "param_dim0": list(step.param_dim0),
+        "param_bytes": step.param_bytes,
+        # per FSDP unit, then the root's own parameters; 4 bytes a parameter (fp32), as always counted here
+        "fsdp_units": [4 * numel for numel in (*step.unit_param_numel, step.root_param_numel)],
         "optimizer": exp.workload.optimizer,
         "momentum": exp.workload.momentum,
         "per_rank_batch": per_rank,
