@@ -148,3 +148,18 @@ def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, m
         write_profile({"meta": {"host": "h"}, "compute": {"peak_flops": 9.0},
                        "collectives": {"ws2": {"p2p": {"alpha_s": 1e-4}}}}, explicit)
         assert resolve_calibration(store, explicit, "h")[0]["compute"]["peak_flops"] == 9.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_launched_processes_get_threads_per_rank(monkeypatch):
+    """Runs and calibrate's probes start through one launch_processes, with one OMP_NUM_THREADS policy:
+    threads_per_rank (default 1) in every rank, this process's own setting put back."""
+    import os
+
+    from ddlscope.runtime.launcher import launch_processes
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 2, run_id="test-threads") == {0: "1", 1: "1"}
+    assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 1, run_id="test-threads", threads_per_rank=2) == {0: "2"}
+    assert os.environ["OMP_NUM_THREADS"] == "7"

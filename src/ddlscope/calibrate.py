@@ -555,25 +555,13 @@ def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
 def measure_collectives(world_size: int, sizes: list[int], repeats: int, quick: bool = False) -> dict[str, Any]:
     """Start `world_size` gloo ranks through the elastic launcher: every collective (median and fastest
     repeat per size) and the PROBES (synchronisation, DDP, FSDP, a parameter server's round)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from ddlscope.runtime.launcher import launch_processes
 
-    from ddlscope.runtime.launcher import _quiet_torch_logging, free_port
-
-    _quiet_torch_logging()
     with tempfile.TemporaryDirectory(prefix="ddlscope-calibrate-") as tmp:
         out = Path(tmp) / "times.json"
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id="ddlscope-calibrate",
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                              monitor_interval=0.1, start_method="spawn")
-        previous = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            elastic_launch(config, collective_worker)(json.dumps(sizes), repeats, str(out), quick)
-        finally:
-            if previous is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = previous
+        # one intra-op thread per rank, as training ranks have by default
+        launch_processes(collective_worker, (json.dumps(sizes), repeats, str(out), quick), world_size,
+                         run_id="ddlscope-calibrate", threads_per_rank=1)
         return json.loads(out.read_text())
 
 
