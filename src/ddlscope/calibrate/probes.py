@@ -1,4 +1,4 @@
-"""`ddlscope calibrate`: measure this machine for the local predictor (predict/local.py).
+"""The torch probes of `ddlscope calibrate`: what this process and launched gloo ranks measure.
 
 What is measured, each with one intra-op thread per process as training ranks use:
 
@@ -38,94 +38,25 @@ What is measured, each with one intra-op thread per process as training ranks us
   round and the compute then both stretch). Many senders to one receiver on
   shared cores cost more than two-rank ping-pong suggests.
 
-The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
-wake-ups are tens of microseconds, comparable to the whole message), so one
-least-squares fit over all sizes gives a poorly determined (often negative)
-intercept. Instead beta comes from a least-squares fit of time = a + bytes/beta
-on the sizes where bandwidth dominates (>= 64 KiB), with its R^2, and alpha is
-the median, over the small sizes (<= 16 KiB), of time - bytes/beta: a direct
-latency estimate. R^2 over all sizes with that (alpha, beta) is reported too.
-
-The profile is a TOML file, and `ddlscope calibrate` keeps it in the store too.
-Everything that needs torch is here, not in ddlscope.predict, which stays
-torch-free; `workload_facts` (FLOPs, op counts, parameter bytes of one rank's
-step) is the torch side of `ddlscope predict-run`.
+Everything here imports torch inside the function that needs it, so that importing
+ddlscope.calibrate (its profile file, say) costs no torch.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import socket
 import statistics
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from ddlscope.calibrate.fit import fit_matmul
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 MATMUL_SIZES = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
 QUICK_MATMUL_SIZES = (64, 128, 256, 512)
-BANDWIDTH_FIT_MIN_BYTES = 64 * 1024
-LATENCY_MAX_BYTES = 16 * 1024
-DEFAULT_PROFILE = Path("ddlscope-calibration.toml")
-
-
-def message_sizes(quick: bool) -> list[int]:
-    """~1 KiB .. 16 MiB (quick: x4 steps) or 32 MiB (x2 steps), in bytes, multiples of 4*8."""
-    top, factor = (16 << 20, 4) if quick else (32 << 20, 2)
-    sizes, s = [], 1024
-    while s <= top:
-        sizes.append(s)
-        s *= factor
-    return sizes
-
-
-# --------------------------------------------------------------------------- fitting (numpy only)
-def fit_alpha_beta(sizes: Any, times: Any, min_bw_bytes: int = BANDWIDTH_FIT_MIN_BYTES,
-                   max_lat_bytes: int = LATENCY_MAX_BYTES) -> dict[str, float]:
-    """time = alpha + bytes / beta: beta from least squares on large sizes, alpha from small ones.
-
-    Falls back to one least-squares fit over everything when either group has too few points.
-    Returns alpha_s, beta_bytes_per_s, r2 (on the bandwidth fit), r2_all (all sizes, final model),
-    alpha_fit_s (the least-squares intercept).
-    """
-    x, y = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
-    big = x >= min_bw_bytes
-    if big.sum() < 3:
-        big = np.ones_like(x, dtype=bool)
-    A = np.stack([np.ones(big.sum()), x[big]], axis=1)
-    (intercept, slope), *_ = np.linalg.lstsq(A, y[big], rcond=None)
-    slope = max(float(slope), 1e-18)
-    r2 = _r2(y[big], intercept + slope * x[big])
-    small = x <= max_lat_bytes
-    if small.sum() >= 1 and big.sum() < len(x):
-        alpha = float(np.median(y[small] - x[small] * slope))
-    else:
-        alpha = float(intercept)
-    alpha = max(alpha, 0.0)
-    return {"alpha_s": alpha, "beta_bytes_per_s": 1.0 / slope, "r2": r2,
-            "r2_all": _r2(y, alpha + slope * x), "alpha_fit_s": float(intercept)}
-
-
-def _r2(y: np.ndarray, pred: np.ndarray) -> float:
-    ss_res = float(np.sum((y - pred) ** 2))
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    return 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-
-
-def fit_matmul(sizes: list[int], seconds: list[float]) -> dict[str, float]:
-    """time = overhead + flops / peak over square matmuls."""
-    flops = [2.0 * n**3 for n in sizes]
-    A = np.stack([np.ones(len(sizes)), np.asarray(flops)], axis=1)
-    (overhead, inv_peak), *_ = np.linalg.lstsq(A, np.asarray(seconds), rcond=None)
-    inv_peak = max(float(inv_peak), 1e-18)
-    return {"overhead_s": max(float(overhead), 0.0), "peak_flops": 1.0 / inv_peak,
-            "r2": _r2(np.asarray(seconds), overhead + inv_peak * np.asarray(flops))}
 
 
 # --------------------------------------------------------------------------- compute (this process)
@@ -563,112 +494,3 @@ def measure_collectives(world_size: int, sizes: list[int], repeats: int, quick: 
         launch_processes(collective_worker, (json.dumps(sizes), repeats, str(out), quick), world_size,
                          run_id="ddlscope-calibrate", threads_per_rank=1)
         return json.loads(out.read_text())
-
-
-def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
-    """The whole hardware profile as a dict (written to TOML by `write_profile`)."""
-    import torch
-
-    sizes = message_sizes(quick)
-    repeats = 3 if quick else 5
-    profile: dict[str, Any] = {
-        "meta": {"created_at": time.time(), "host": socket.gethostname(), "cores": os.cpu_count() or 1,
-                 "torch": torch.__version__, "quick": quick, "backend": "gloo",
-                 "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                 "load_average_1min": os.getloadavg()[0]},  # other work on the machine skews every figure
-        "compute": measure_compute(quick),
-        "collectives": {},
-    }
-    profile.update({probe: {} for probe in PROBES})
-    for ws in world_sizes:
-        measured = measure_collectives(ws, sizes, repeats, quick)
-        entry: dict[str, Any] = {}
-        for op in COLLECTIVES:
-            payload = [s // ws // 4 * 4 if op == "all_gather" else s for s in sizes]
-            typical, fastest = measured["median"][op], measured["fastest"][op]
-            entry[op] = {**fit_alpha_beta(payload, typical), "sizes": payload, "seconds": typical,
-                         "fastest": {**fit_alpha_beta(payload, fastest), "seconds": fastest}}
-        profile["collectives"][f"ws{ws}"] = entry
-        for probe in PROBES:
-            profile[probe][f"ws{ws}"] = measured[probe]
-    return profile
-
-
-# --------------------------------------------------------------------------- profile file
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A small TOML writer for nested dicts of numbers, strings, bools and lists."""
-    lines, tables = [], []
-    for k, v in data.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        else:
-            lines.append(f"{k} = {_toml_value(v)}")
-    out = ""
-    if prefix and lines:
-        out += f"[{prefix}]\n"
-    out += "\n".join(lines) + ("\n" if lines else "")
-    for k, v in tables:
-        sub = to_toml(v, f"{prefix}.{k}" if prefix else k)
-        out += ("\n" if out else "") + sub
-    return out
-
-
-def write_profile(profile: dict[str, Any], path: Path) -> None:
-    path.write_text("# ddlscope hardware profile (ddlscope calibrate)\n" + to_toml(profile))
-
-
-def load_profile(path: Path) -> dict[str, Any]:
-    from ddlscope.specs import ConfigError
-
-    if not path.is_file():
-        raise ConfigError(f"calibration file {path} does not exist (run `ddlscope calibrate` first)")
-    try:
-        profile = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"calibration file {path} is not valid TOML: {exc}") from None
-    if "compute" not in profile or "collectives" not in profile:
-        raise ConfigError(f"calibration file {path} has no [compute] / [collectives] tables")
-    return profile
-
-
-# --------------------------------------------------------------------------- the workload's step, counted
-def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
-    """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward), from
-    the step profiler (runtime/profiler.py) with its op-counting pass: a small model's CPU step is
-    mostly per-op overhead, not FLOPs."""
-    from ddlscope.runtime.config import experiment_from_dict
-    from ddlscope.runtime.profiler import profile_task
-    from ddlscope.workloads import WORKLOADS
-
-    exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
-    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-    per_rank = exp.per_rank_batch()
-    step = profile_task(task, per_rank, count_ops=True)
-    assert step.ops is not None
-    return {
-        "flops": step.flops,
-        "ops": step.ops.ops,
-        "gemm_flops": [mm.flops for mm in step.ops.matmuls],  # per matmul of the step (forward + backward)
-        "gemm_size": [mm.effective_size for mm in step.ops.matmuls],  # its effective square size (m k n)^(1/3)
-        "other_op_bytes": step.ops.other_op_bytes,  # bytes moved by the step's non-matmul ops
-        "param_numel": list(step.param_numel),
-        "param_dim0": list(step.param_dim0),
-        "param_bytes": step.param_bytes,
-        # per FSDP unit, then the root's own parameters; 4 bytes a parameter (fp32), as always counted here
-        "fsdp_units": [4 * numel for numel in (*step.unit_param_numel, step.root_param_numel)],
-        "optimizer": exp.workload.optimizer,
-        "momentum": exp.workload.momentum,
-        "per_rank_batch": per_rank,
-    }
