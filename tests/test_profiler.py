@@ -25,6 +25,7 @@ def test_one_linear_layer_by_hand():
     assert step.activation_bytes == 2 * 4 * 4
     assert step.param_numel == (12, 3) and step.param_dim0 == (3, 3)
     assert step.param_bytes == step.gradient_bytes == 15 * 4
+    assert step.optimizer_bytes("adamw", 0.0) == 2 * 15 * 4 and step.optimizer_bytes("sgd", 0.0) == 0
     assert step.counted_on == "meta" and step.batch == 2
     assert step.ops is not None and step.ops.ops > 0
     assert sorted((mm.m, mm.k, mm.n) for mm in step.ops.matmuls) == [(2, 4, 3), (3, 2, 4)]
