@@ -181,3 +181,20 @@ def test_sustained_fraction_sets_the_stacks_compute_rate(capsys):
     assert faster["ddp"]["compute_s"] < default["ddp"]["compute_s"]
     assert main(["advise", "configs/default.toml", "--cluster", "a100-80gb:4x8", "--sustained-fraction", "5"]) == 2
     assert "sustained_fraction" in capsys.readouterr().err
+
+
+def test_gpt_char_is_profiled_from_its_real_corpus(capsys, tmp_path):
+    """gpt-char's model builds on the meta device but its corpus is real CPU data (this crashed with
+    "Tensor on device cpu is not on the expected device meta!"); the step is the real model's."""
+    import torch
+
+    from ddlscope.runtime.flops import count_step_flops
+    from ddlscope.workloads import WORKLOADS
+
+    result = advise_json(capsys, "--cluster", "h100:2x8", "--workload", "gpt-char", "--db", str(tmp_path / "none.db"))
+    workload = result["workload"]
+    assert workload["name"] == "gpt-char" and workload["batch_per_gpu"] == 2  # 32 sequences over 16 GPUs
+    task = WORKLOADS.get("gpt-char").build(WORKLOADS.get("gpt-char").spec_class(), 0)
+    x, y = task.train.get(torch.arange(2))
+    assert workload["flops_per_step"] == count_step_flops(task.model, task.loss_fn, x, y).model_flops
+    assert workload["units"] == len(task.model.blocks)

@@ -61,6 +61,35 @@ def test_profile_round_trips_through_toml(tmp_path: Path):
     assert "[collectives.ws2.all_reduce]" in to_toml(profile)
 
 
+def test_the_typed_profile_gives_back_the_dict_it_read(tmp_path: Path):
+    """CalibrationProfile types every table calibrate writes, keeps what it does not declare, and
+    leaves ints ints: a profile dumps back to exactly the dict the local predictor reads."""
+    from test_regression_numbers import PROFILE
+
+    from ddlscope.calibrate import CalibrationProfile
+
+    profile = {**PROFILE, "meta": {"host": "h", "cores": 2, "quick": False, "from_the_future": "kept"}}
+    path = tmp_path / "p.toml"
+    write_profile(profile, path)
+    loaded = CalibrationProfile.load(path)
+    assert loaded.as_dict() == profile == load_profile(path)
+    assert loaded.compute.peak_flops == 1e11 and loaded.meta is not None and loaded.meta.cores == 2
+    assert isinstance(loaded.as_dict()["meta"]["cores"], int)
+    assert loaded.ps is not None and loaded.ps["ws3"].busy_round_s == [[4e-3, 1.2e-2], [6e-3, 1.6e-2]]
+    loaded.write(tmp_path / "again.toml")  # tables in the declared order, the same content
+    assert load_profile(tmp_path / "again.toml") == profile
+
+
+def test_an_ill_typed_profile_is_one_line_naming_the_field(tmp_path: Path):
+    path = tmp_path / "p.toml"
+    path.write_text('[compute]\npeak_flops = "fast"\n[collectives.ws2.all_reduce]\nalpha_s = 1e-4\n')
+    with pytest.raises(ConfigError, match=r"compute\.peak_flops: .*expected a number"):
+        load_profile(path)
+    path.write_text("[compute]\n[collectives.two.all_reduce]\nalpha_s = 1e-4\n")
+    with pytest.raises(ConfigError, match="collectives.two"):
+        load_profile(path)
+
+
 def test_load_profile_errors_are_one_line(tmp_path: Path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_profile(tmp_path / "missing.toml")
@@ -95,6 +124,7 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert "all_reduce" in proc.stdout and "R^2" in proc.stdout
     profile = tomllib.loads((tmp_path / "prof.toml").read_text())
+    assert load_profile(tmp_path / "prof.toml") == profile  # what calibrate writes, the typed profile reads
     from ddlscope.store import Store
 
     with Store(tmp_path / "s.db") as store:  # the store keeps the same profile
@@ -148,3 +178,18 @@ def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, m
         write_profile({"meta": {"host": "h"}, "compute": {"peak_flops": 9.0},
                        "collectives": {"ws2": {"p2p": {"alpha_s": 1e-4}}}}, explicit)
         assert resolve_calibration(store, explicit, "h")[0]["compute"]["peak_flops"] == 9.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_launched_processes_get_threads_per_rank(monkeypatch):
+    """Runs and calibrate's probes start through one launch_processes, with one OMP_NUM_THREADS policy:
+    threads_per_rank (default 1) in every rank, this process's own setting put back."""
+    import os
+
+    from ddlscope.runtime.launcher import launch_processes
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 2, run_id="test-threads") == {0: "1", 1: "1"}
+    assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 1, run_id="test-threads", threads_per_rank=2) == {0: "2"}
+    assert os.environ["OMP_NUM_THREADS"] == "7"

@@ -13,7 +13,8 @@ from ddlscope.runtime.instrument import optimizer_state_bytes, parameter_bytes
 from ddlscope.specs import ConfigError
 from ddlscope.strategies.comm import CommRecorder, LinkModel, _RecordedWork
 from ddlscope.strategies.fsdp import (
-    FSDPSpec, _block_units, _CollectiveTimer, _TimedAllGather, _TimedReduceScatter, mixed_precision_policy)
+    FSDPSpec, _CollectiveTimer, _TimedAllGather, _TimedReduceScatter, mixed_precision_policy)
+from ddlscope.strategies.units import wrap_units
 from ddlscope.workloads import WORKLOADS
 
 STEPS = 5
@@ -178,11 +179,11 @@ def test_fsdp_knobs_are_validated():
         FSDPSpec(wrap="layer")
 
 
-def test_block_units_are_transformer_blocks_or_top_level_children():
+def test_wrap_units_are_transformer_blocks_or_top_level_children():
     gpt = _gpt_model()
-    assert _block_units(gpt) == list(gpt.blocks)
+    assert wrap_units(gpt) == list(gpt.blocks)
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    assert _block_units(mlp) == [mlp[0], mlp[2]]
+    assert wrap_units(mlp) == [mlp[0], mlp[2]]
 
 
 def test_bf16_is_refused_on_a_gpu_without_bf16(monkeypatch):

@@ -76,7 +76,7 @@ class WorkloadProfile:
     weight_bytes_per_param: float
     optimizer: str
     optimizer_bytes_per_param: float
-    units: int  # FSDP wrap units (transformer blocks, else layers with weights)
+    units: int  # FSDP wrap units (strategies.units: transformer blocks, else top-level children with weights)
     gemms: list[tuple[int, int, int]] = field(default_factory=list)  # (m, n, k) of each Linear forward
 
     @property
@@ -84,72 +84,34 @@ class WorkloadProfile:
         return 2 * self.weight_bytes_per_param + self.optimizer_bytes_per_param
 
 
-def _optimizer_bytes(spec: Any, weight_bytes: float) -> float:
-    if spec.optimizer == "adamw":
-        return 2 * weight_bytes  # exp_avg + exp_avg_sq
-    return weight_bytes if spec.momentum > 0 else 0.0
-
-
 def profile_workload(exp: Experiment, workers: int) -> WorkloadProfile:
-    """Build the experiment's model on the meta device and count one per-GPU step."""
+    """The experiment's per-GPU step, from the step profiler (runtime/profiler.py), on a model built
+    on the meta device (shapes only: no parameter memory, whatever the model's size)."""
     import torch
-    from torch import nn
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
 
+    from ddlscope.runtime.profiler import optimizer_states_per_param, profile_task
     from ddlscope.workloads import WORKLOADS
 
     spec = exp.workload
     batch = max(1, spec.batch_size // max(workers, 1))
     workload = WORKLOADS.get(spec.name)
-    try:  # shapes only: no parameter memory, no data, whatever the model's size
+    try:
         with torch.device("meta"):
             task = workload.build(spec, exp.seed)
     except Exception:  # a workload whose data loading needs real tensors: build it for real
         task = workload.build(spec, exp.seed)
-    device = next(task.model.parameters()).device
-    model = task.model
-    params = [p for p in model.parameters()]
-    n_params = sum(p.numel() for p in params)
-    param_ids = {id(p) for p in params}
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(params[0].dtype, "fp32")
-    weight_bytes = float(params[0].element_size())
-
-    ids = torch.arange(batch) % max(len(task.train), 1)
-    x, y = (t.to(device) for t in task.train.get(ids.to(device) if device.type == "meta" else ids))
-    model.train()
-
-    gemms: list[tuple[int, int, int]] = []
-
-    def on_linear(module: nn.Linear, inputs: tuple[Any, ...], _out: Any) -> None:
-        k = module.in_features
-        gemms.append((int(inputs[0].numel() // k), module.out_features, k))
-
-    hooks = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, nn.Linear)]
-    saved = [0.0]
-
-    def pack(t: Any) -> Any:
-        base = getattr(t, "_base", None)
-        if id(t) not in param_ids and (base is None or id(base) not in param_ids):
-            saved[0] += t.numel() * t.element_size()
-        return t
-
-    counter = FlopCounterMode(display=False)
-    try:
-        with sdpa_kernel(SDPBackend.MATH), counter:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = task.loss_fn(model(x), y)
-            loss.backward()
-    finally:
-        for h in hooks:
-            h.remove()
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    units = len(lists[0]) if lists else sum(1 for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
+    step = profile_task(task, batch)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(step.param_dtype, "fp32")
+    weight_bytes = float(step.param_dtype.itemsize)
     return WorkloadProfile(
-        name=spec.name, params=int(n_params), batch_per_gpu=batch, flops_per_step=float(counter.get_total_flops()),
-        linear_flops_per_step=float(sum(6.0 * m * n * k for m, n, k in gemms)), activation_bytes=saved[0],
-        dtype=dtype, weight_bytes_per_param=weight_bytes, optimizer=spec.optimizer,
-        optimizer_bytes_per_param=_optimizer_bytes(spec, weight_bytes), units=max(units, 1), gemms=gemms)
+        name=spec.name, params=step.params, batch_per_gpu=batch, flops_per_step=float(step.flops),
+        # each Linear's forward GEMM and its two backward GEMMs
+        linear_flops_per_step=float(sum(6.0 * m * n * k for m, n, k in step.linear_gemms)),
+        activation_bytes=float(step.activation_bytes), dtype=dtype, weight_bytes_per_param=weight_bytes,
+        optimizer=spec.optimizer,
+        optimizer_bytes_per_param=optimizer_states_per_param(spec.optimizer, spec.momentum) * weight_bytes,
+        # FSDP's wrap units (strategies.units): the same count as the units `wrap = "block"` shards
+        units=max(step.units, 1), gemms=list(step.linear_gemms))
 
 
 def achieved_fraction(profile: WorkloadProfile, cluster: Cluster) -> float:

@@ -1,12 +1,9 @@
 """Model FLOPs of one training step on one rank, and the peak FLOP/s that MFU divides by.
 
-Counted once per rank before training, on the plain (not yet wrapped) model:
-one forward + backward on one per-rank batch under
-torch.utils.flop_counter.FlopCounterMode, with attention forced through the
-math SDPA kernel (FlopCounterMode counts 0 FLOPs for CPU flash attention).
-The count runs on a copy of the model on the meta device (shapes only: no
-memory, no time, no RNG drawn, no BatchNorm statistics touched), so training
-is unaffected; a model that cannot go to meta is copied on its own device.
+Counted once per rank before training, on the plain (not yet wrapped) model,
+by the step profiler (runtime/profiler.py): one forward + backward on one
+per-rank batch under torch.utils.flop_counter.FlopCounterMode, on a copy of
+the model on the meta device, so training is unaffected.
 
 Model FLOPs are what the algorithm needs; hardware FLOPs add what the
 implementation recomputes (activation checkpointing). ddlscope's strategies
@@ -16,13 +13,13 @@ the distinction stays explicit.
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from ddlscope.runtime.profiler import StepProfile, profile_step
 from ddlscope.workloads.base import LossFn
 
 
@@ -33,28 +30,15 @@ class StepFlops:
     per_rank_batch: int
     counted_on: str  # "meta" or the device the copy ran on
 
+    @classmethod
+    def from_profile(cls, profile: StepProfile) -> "StepFlops":
+        return cls(model_flops=profile.flops, hardware_flops=profile.flops, per_rank_batch=profile.batch,
+                   counted_on=profile.counted_on)
+
 
 def count_step_flops(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> StepFlops:
     """FLOPs of forward + backward of `model` on (x, y), counted on a copy; `model` is left untouched."""
-    try:
-        flops, where = _count(copy.deepcopy(model).to("meta"), loss_fn, x.to("meta"), y.to("meta")), "meta"
-    except Exception:  # an op without a meta kernel: count on a real copy, with the RNG state put back
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            flops, where = _count(copy.deepcopy(model), loss_fn, x.to(device), y.to(device)), str(device)
-    return StepFlops(model_flops=flops, hardware_flops=flops, per_rank_batch=len(x), counted_on=where)
-
-
-def _count(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> int:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    model.train()
-    counter = FlopCounterMode(display=False)
-    with sdpa_kernel(SDPBackend.MATH), counter:
-        loss_fn(model(x), y).backward()
-    return int(counter.get_total_flops())
+    return StepFlops.from_profile(profile_step(model, loss_fn, x, y))
 
 
 def peak_flops(device: torch.device, threads: int) -> tuple[float, str]:

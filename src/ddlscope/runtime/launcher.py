@@ -4,7 +4,8 @@ Single node: c10d rendezvous on 127.0.0.1 with a free port. Several nodes:
 every node runs `ddlscope run` with the same experiment and the same
 --rdzv-endpoint (node 0's host:port); node 0 hosts the rendezvous and owns
 the store. Workers write rows to per-rank files; this module ingests them
-into the store and decides the run's final status.
+into the store and decides the run's final status. `launch_processes` is the
+one call of torch's elastic launcher, for runs and for calibrate's probes alike.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -129,37 +131,23 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         run_dir = run_dir_for(store_path, f"{run_uuid}-node{cluster.node_rank}")
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    endpoint = cluster.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    config = LaunchConfig(
-        min_nodes=cluster.nnodes,
-        max_nodes=cluster.nnodes,
-        nproc_per_node=cluster.procs_per_node + exp.strategy.extra_ranks(),
-        # Launchers of one multi-node run share the id; a local run gets its own, so two
-        # runs on one machine can never join each other's rendezvous.
-        run_id=RDZV_ID if cluster.rdzv_endpoint else f"{RDZV_ID}-{run_uuid[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        # Node 0 hosts the rendezvous store; on one machine every launcher would otherwise try to.
-        rdzv_configs={"is_host": cluster.node_rank == 0, "timeout": 600},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), redirects=Std.ALL),
-    )
-    _quiet_torch_logging()
-    # One intra-op thread per rank by default: two threads per rank on 2 cores made DDP 4.7x slower.
-    os.environ["OMP_NUM_THREADS"] = str(cluster.threads_per_rank)
-
+    nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
     if store and run_id is not None:
         store.mark_running(run_id)
     stop_progress = threading.Event()
     progress = _start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
-    reaper = ExitReaper(run_dir, config.nproc_per_node)
+    reaper = ExitReaper(run_dir, nprocs)
     reaper.start()
     status, error = "finished", None
     try:
-        elastic_launch(config, worker_main)(exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "",
-                                            shaped.worker_json() if shaped else "")
+        launch_processes(
+            worker_main, (exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "",
+                          shaped.worker_json() if shaped else ""), nprocs,
+            # Launchers of one multi-node run share the id; a local run gets its own, so two
+            # runs on one machine can never join each other's rendezvous.
+            run_id=RDZV_ID if cluster.rdzv_endpoint else f"{RDZV_ID}-{run_uuid[:12]}",
+            rdzv_endpoint=cluster.rdzv_endpoint, nnodes=cluster.nnodes, is_host=cluster.node_rank == 0,
+            log_dir=run_dir / "logs", threads_per_rank=cluster.threads_per_rank)
     except ChildFailedError as exc:
         status, error = "failed", _first_failure(exc)
         if reaper.killed:  # every rank had finished; only their exit hung
@@ -195,6 +183,46 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     return result
 
 
+def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs: int, *, run_id: str,
+                     rdzv_endpoint: str | None = None, nnodes: int = 1, is_host: bool = True,
+                     log_dir: Path | None = None, threads_per_rank: int = 1) -> dict[int, Any]:
+    """Run `entrypoint(*args)` in `nprocs` processes on this node through torch's elastic launcher,
+    and return what each local rank returned. The one place ddlscope starts processes: training
+    runs (`launch`) and calibrate's probes.
+
+    c10d rendezvous at `rdzv_endpoint` (default: 127.0.0.1 and a free port), spawn, no restarts.
+    `is_host`: this node hosts the rendezvous store (node 0; on one machine every launcher of a
+    multi-node run would otherwise try to). `log_dir`: each rank's stdout and stderr go there
+    (default: to this process's console). Failures raise as elastic_launch raises them
+    (ChildFailedError, SignalException, rendezvous errors).
+
+    Threads: each rank gets OMP_NUM_THREADS = `threads_per_rank` (1 unless the cluster says
+    otherwise: two threads per rank on 2 cores made a 2-rank DDP step 4.7x slower); this
+    process's own setting is put back afterwards.
+    """
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id, rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": is_host, "timeout": 600},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
+    quiet_torch_logging()
+    with _environment_variable("OMP_NUM_THREADS", str(threads_per_rank)):  # the spawned ranks inherit it
+        return elastic_launch(config, entrypoint)(*args)
+
+
+@contextmanager
+def _environment_variable(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
     def records() -> Any:
         for path in run_files(run_dir):
@@ -217,7 +245,7 @@ def _first_failure(exc: ChildFailedError) -> str:
     return f"rank {rank}: exited with code {failure.exitcode}" + (f": {lines[-1]}" if lines else "")
 
 
-def _quiet_torch_logging() -> None:
+def quiet_torch_logging() -> None:
     """The elastic agent logs every lifecycle step, and each worker's traceback at ERROR.
 
     ddlscope reports a failure itself in one line and keeps the full traceback

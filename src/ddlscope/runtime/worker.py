@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ddlscope.runtime.config import experiment_from_json
-from ddlscope.runtime.flops import count_step_flops, flops_message, peak_flops
+from ddlscope.runtime.flops import StepFlops, flops_message, peak_flops
 from ddlscope.runtime.loop import LoopResult, train
 from ddlscope.runtime.netns import join_rank_namespace
+from ddlscope.runtime.profiler import profile_task
 from ddlscope.runtime.ps_server import serve
 from ddlscope.runtime.rows import RowWriter, leave_done_marker, rank_file, read_records, remote_rank_file
 from ddlscope.runtime.trace import traces_dir_for
@@ -124,10 +125,7 @@ def _record_flops(task: Task, exp: Experiment, ctx: RunContext, writer: RowWrite
     on its per-rank batch (FSDP shards state, not compute), so one
     forward + backward of that batch is the rank's work per step.
     """
-    per_rank = exp.per_rank_batch()
-    ids = torch.arange(per_rank) % max(len(task.train), 1)
-    x, y = task.train.get(ids)
-    step = count_step_flops(task.model, task.loss_fn, x, y)
+    step = StepFlops.from_profile(profile_task(task, exp.per_rank_batch()))
     peak, source = peak_flops(ctx.device, exp.cluster.threads_per_rank)
     writer.event("flops", flops_message(step, peak, source))
 

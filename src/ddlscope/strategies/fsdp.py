@@ -28,6 +28,7 @@ from ddlscope.specs.strategies.fsdp import FSDPSpec
 from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import RunContext, Strategy
 from ddlscope.strategies.comm import CommRecorder, CommStats, Pending
+from ddlscope.strategies.units import wrap_units
 
 clock = time.perf_counter
 
@@ -47,7 +48,7 @@ class FSDP(Strategy):
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         mp_policy = mixed_precision_policy(self.spec.mixed_precision, self.ctx.device)
         if self.spec.wrap == "block":
-            for unit in _block_units(model):
+            for unit in wrap_units(model):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=self.spec.reshard_after_forward,
                             mp_policy=mp_policy)
         # The root keeps torch's default (None): it is not resharded after
@@ -112,14 +113,6 @@ def mixed_precision_policy(mode: str, device: torch.device) -> MixedPrecisionPol
             f"strategy.mixed_precision = 'bf16': {torch.cuda.get_device_name(device)} does not support bf16; "
             "use mixed_precision = 'none'")
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def _block_units(model: nn.Module) -> list[nn.Module]:
-    """Transformer blocks if the model has them, else each top-level child that holds parameters."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks):
-        return list(blocks)
-    return [child for child in model.children() if any(True for _ in child.parameters())]
 
 
 # --- timed collectives ------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`ddlscope calibrate`: measure this machine for the local predictor (predict/local.py).
+"""The torch probes of `ddlscope calibrate`: what this process and launched gloo ranks measure.
 
 What is measured, each with one intra-op thread per process as training ranks use:
 
@@ -38,94 +38,25 @@ What is measured, each with one intra-op thread per process as training ranks us
   round and the compute then both stretch). Many senders to one receiver on
   shared cores cost more than two-rank ping-pong suggests.
 
-The alpha-beta fit: gloo on loopback is noisy at small sizes (scheduler
-wake-ups are tens of microseconds, comparable to the whole message), so one
-least-squares fit over all sizes gives a poorly determined (often negative)
-intercept. Instead beta comes from a least-squares fit of time = a + bytes/beta
-on the sizes where bandwidth dominates (>= 64 KiB), with its R^2, and alpha is
-the median, over the small sizes (<= 16 KiB), of time - bytes/beta: a direct
-latency estimate. R^2 over all sizes with that (alpha, beta) is reported too.
-
-The profile is a TOML file, and `ddlscope calibrate` keeps it in the store too.
-Everything that needs torch is here, not in ddlscope.predict, which stays
-torch-free; `workload_facts` (FLOPs, op counts, parameter bytes of one rank's
-step) is the torch side of `ddlscope predict-run`.
+Everything here imports torch inside the function that needs it, so that importing
+ddlscope.calibrate (its profile file, say) costs no torch.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import socket
 import statistics
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from ddlscope.calibrate.fit import fit_matmul
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 MATMUL_SIZES = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
 QUICK_MATMUL_SIZES = (64, 128, 256, 512)
-BANDWIDTH_FIT_MIN_BYTES = 64 * 1024
-LATENCY_MAX_BYTES = 16 * 1024
-DEFAULT_PROFILE = Path("ddlscope-calibration.toml")
-
-
-def message_sizes(quick: bool) -> list[int]:
-    """~1 KiB .. 16 MiB (quick: x4 steps) or 32 MiB (x2 steps), in bytes, multiples of 4*8."""
-    top, factor = (16 << 20, 4) if quick else (32 << 20, 2)
-    sizes, s = [], 1024
-    while s <= top:
-        sizes.append(s)
-        s *= factor
-    return sizes
-
-
-# --------------------------------------------------------------------------- fitting (numpy only)
-def fit_alpha_beta(sizes: Any, times: Any, min_bw_bytes: int = BANDWIDTH_FIT_MIN_BYTES,
-                   max_lat_bytes: int = LATENCY_MAX_BYTES) -> dict[str, float]:
-    """time = alpha + bytes / beta: beta from least squares on large sizes, alpha from small ones.
-
-    Falls back to one least-squares fit over everything when either group has too few points.
-    Returns alpha_s, beta_bytes_per_s, r2 (on the bandwidth fit), r2_all (all sizes, final model),
-    alpha_fit_s (the least-squares intercept).
-    """
-    x, y = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
-    big = x >= min_bw_bytes
-    if big.sum() < 3:
-        big = np.ones_like(x, dtype=bool)
-    A = np.stack([np.ones(big.sum()), x[big]], axis=1)
-    (intercept, slope), *_ = np.linalg.lstsq(A, y[big], rcond=None)
-    slope = max(float(slope), 1e-18)
-    r2 = _r2(y[big], intercept + slope * x[big])
-    small = x <= max_lat_bytes
-    if small.sum() >= 1 and big.sum() < len(x):
-        alpha = float(np.median(y[small] - x[small] * slope))
-    else:
-        alpha = float(intercept)
-    alpha = max(alpha, 0.0)
-    return {"alpha_s": alpha, "beta_bytes_per_s": 1.0 / slope, "r2": r2,
-            "r2_all": _r2(y, alpha + slope * x), "alpha_fit_s": float(intercept)}
-
-
-def _r2(y: np.ndarray, pred: np.ndarray) -> float:
-    ss_res = float(np.sum((y - pred) ** 2))
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    return 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-
-
-def fit_matmul(sizes: list[int], seconds: list[float]) -> dict[str, float]:
-    """time = overhead + flops / peak over square matmuls."""
-    flops = [2.0 * n**3 for n in sizes]
-    A = np.stack([np.ones(len(sizes)), np.asarray(flops)], axis=1)
-    (overhead, inv_peak), *_ = np.linalg.lstsq(A, np.asarray(seconds), rcond=None)
-    inv_peak = max(float(inv_peak), 1e-18)
-    return {"overhead_s": max(float(overhead), 0.0), "peak_flops": 1.0 / inv_peak,
-            "r2": _r2(np.asarray(seconds), overhead + inv_peak * np.asarray(flops))}
 
 
 # --------------------------------------------------------------------------- compute (this process)
@@ -555,176 +486,11 @@ def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
 def measure_collectives(world_size: int, sizes: list[int], repeats: int, quick: bool = False) -> dict[str, Any]:
     """Start `world_size` gloo ranks through the elastic launcher: every collective (median and fastest
     repeat per size) and the PROBES (synchronisation, DDP, FSDP, a parameter server's round)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from ddlscope.runtime.launcher import launch_processes
 
-    from ddlscope.runtime.launcher import _quiet_torch_logging, free_port
-
-    _quiet_torch_logging()
     with tempfile.TemporaryDirectory(prefix="ddlscope-calibrate-") as tmp:
         out = Path(tmp) / "times.json"
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id="ddlscope-calibrate",
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-                              monitor_interval=0.1, start_method="spawn")
-        previous = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            elastic_launch(config, collective_worker)(json.dumps(sizes), repeats, str(out), quick)
-        finally:
-            if previous is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = previous
+        # one intra-op thread per rank, as training ranks have by default
+        launch_processes(collective_worker, (json.dumps(sizes), repeats, str(out), quick), world_size,
+                         run_id="ddlscope-calibrate", threads_per_rank=1)
         return json.loads(out.read_text())
-
-
-def calibrate(world_sizes: list[int], quick: bool = False) -> dict[str, Any]:
-    """The whole hardware profile as a dict (written to TOML by `write_profile`)."""
-    import torch
-
-    sizes = message_sizes(quick)
-    repeats = 3 if quick else 5
-    profile: dict[str, Any] = {
-        "meta": {"created_at": time.time(), "host": socket.gethostname(), "cores": os.cpu_count() or 1,
-                 "torch": torch.__version__, "quick": quick, "backend": "gloo",
-                 "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-                 "load_average_1min": os.getloadavg()[0]},  # other work on the machine skews every figure
-        "compute": measure_compute(quick),
-        "collectives": {},
-    }
-    profile.update({probe: {} for probe in PROBES})
-    for ws in world_sizes:
-        measured = measure_collectives(ws, sizes, repeats, quick)
-        entry: dict[str, Any] = {}
-        for op in COLLECTIVES:
-            payload = [s // ws // 4 * 4 if op == "all_gather" else s for s in sizes]
-            typical, fastest = measured["median"][op], measured["fastest"][op]
-            entry[op] = {**fit_alpha_beta(payload, typical), "sizes": payload, "seconds": typical,
-                         "fastest": {**fit_alpha_beta(payload, fastest), "seconds": fastest}}
-        profile["collectives"][f"ws{ws}"] = entry
-        for probe in PROBES:
-            profile[probe][f"ws{ws}"] = measured[probe]
-    return profile
-
-
-# --------------------------------------------------------------------------- profile file
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def to_toml(data: dict[str, Any], prefix: str = "") -> str:
-    """A small TOML writer for nested dicts of numbers, strings, bools and lists."""
-    lines, tables = [], []
-    for k, v in data.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        else:
-            lines.append(f"{k} = {_toml_value(v)}")
-    out = ""
-    if prefix and lines:
-        out += f"[{prefix}]\n"
-    out += "\n".join(lines) + ("\n" if lines else "")
-    for k, v in tables:
-        sub = to_toml(v, f"{prefix}.{k}" if prefix else k)
-        out += ("\n" if out else "") + sub
-    return out
-
-
-def write_profile(profile: dict[str, Any], path: Path) -> None:
-    path.write_text("# ddlscope hardware profile (ddlscope calibrate)\n" + to_toml(profile))
-
-
-def load_profile(path: Path) -> dict[str, Any]:
-    from ddlscope.specs import ConfigError
-
-    if not path.is_file():
-        raise ConfigError(f"calibration file {path} does not exist (run `ddlscope calibrate` first)")
-    try:
-        profile = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"calibration file {path} is not valid TOML: {exc}") from None
-    if "compute" not in profile or "collectives" not in profile:
-        raise ConfigError(f"calibration file {path} has no [compute] / [collectives] tables")
-    return profile
-
-
-# --------------------------------------------------------------------------- the workload's step, counted
-def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
-    """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward).
-
-    FLOPs come from torch.utils.flop_counter.FlopCounterMode on the workload's model
-    with one per-rank batch, attention forced to the math kernel (the counter sees 0
-    FLOPs in CPU flash attention). Ops are counted with a dispatch mode over the same
-    step: a small model's CPU step is mostly per-op overhead, not FLOPs.
-    """
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ddlscope.runtime.config import experiment_from_dict
-    from ddlscope.strategies.fsdp import _block_units
-    from ddlscope.workloads import WORKLOADS
-
-    exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
-    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-    model = task.model
-    per_rank = exp.per_rank_batch()
-    x, y = task.train.get(torch.arange(per_rank) % len(task.train))
-
-    class _Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-            self.other_bytes = 0
-            self.gemm_flops: list[tuple[float, float]] = []  # (flops, effective square size)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.count += 1
-            out = func(*args, **(kwargs or {}))
-            name = str(getattr(func, "__name__", func)).split(".")[0]
-            mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
-            if name in ("mm", "addmm", "bmm") and len(mats) >= 2:
-                a, b = mats[-2], mats[-1]
-                batch = a.shape[0] if a.dim() == 3 else 1
-                m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-                self.gemm_flops.append((2.0 * batch * m * k * n, (m * k * n) ** (1 / 3)))
-            else:  # memory-bound: bytes read and written
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                self.other_bytes += sum(t.nbytes for t in (*args, *outs) if isinstance(t, torch.Tensor))
-            return out
-
-    with sdpa_kernel(SDPBackend.MATH):
-        counter = FlopCounterMode(display=False)
-        with counter:
-            task.loss_fn(model(x), y).backward()
-        model.zero_grad(set_to_none=True)
-        ops = _Ops()
-        with ops:
-            task.loss_fn(model(x), y).backward()
-        model.zero_grad(set_to_none=True)
-    params = list(model.parameters())
-    units = _block_units(model)
-    unit_param_ids = {id(p) for u in units for p in u.parameters()}
-    return {
-        "flops": int(counter.get_total_flops()),
-        "ops": ops.count,
-        "gemm_flops": [f for f, _ in ops.gemm_flops],  # per matmul of the step (forward + backward)
-        "gemm_size": [n for _, n in ops.gemm_flops],  # its effective square size (m k n)^(1/3)
-        "other_op_bytes": ops.other_bytes,  # bytes moved by the step's non-matmul ops
-        "param_numel": [p.numel() for p in params],
-        "param_dim0": [p.shape[0] if p.dim() else 1 for p in params],
-        "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "fsdp_units": [sum(p.numel() * 4 for p in u.parameters()) for u in units]
-        + [sum(p.numel() * 4 for p in params if id(p) not in unit_param_ids)],
-        "optimizer": exp.workload.optimizer,
-        "momentum": exp.workload.momentum,
-        "per_rank_batch": per_rank,
-    }

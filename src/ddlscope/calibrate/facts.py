@@ -1,0 +1,36 @@
+"""`workload_facts`: the torch side of `ddlscope predict-run`, one rank's step as the local predictor reads it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
+    """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward), from
+    the step profiler (runtime/profiler.py) with its op-counting pass: a small model's CPU step is
+    mostly per-op overhead, not FLOPs."""
+    from ddlscope.runtime.config import experiment_from_dict
+    from ddlscope.runtime.profiler import profile_task
+    from ddlscope.workloads import WORKLOADS
+
+    exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
+    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+    per_rank = exp.per_rank_batch()
+    step = profile_task(task, per_rank, count_ops=True)
+    assert step.ops is not None
+    return {
+        "flops": step.flops,
+        "ops": step.ops.ops,
+        "gemm_flops": [mm.flops for mm in step.ops.matmuls],  # per matmul of the step (forward + backward)
+        "gemm_size": [mm.effective_size for mm in step.ops.matmuls],  # its effective square size (m k n)^(1/3)
+        "other_op_bytes": step.ops.other_op_bytes,  # bytes moved by the step's non-matmul ops
+        "param_numel": list(step.param_numel),
+        "param_dim0": list(step.param_dim0),
+        "param_bytes": step.param_bytes,
+        # per FSDP unit, then the root's own parameters; 4 bytes a parameter (fp32), as always counted here
+        "fsdp_units": [4 * numel for numel in (*step.unit_param_numel, step.root_param_numel)],
+        "optimizer": exp.workload.optimizer,
+        "momentum": exp.workload.momentum,
+        "per_rank_batch": per_rank,
+    }

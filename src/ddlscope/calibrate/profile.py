@@ -1,0 +1,215 @@
+"""The calibration profile: its typed layout, and the TOML file `ddlscope calibrate` writes.
+
+`CalibrationProfile` declares every table and field calibrate writes (units in
+the names: `_s`, `_bytes`, `_per_s`). Each table keeps the keys it does not
+declare, every field is optional but `compute` and `collectives`, and numbers
+stay the int or float they were written as, so any profile an older ddlscope
+wrote still loads, and `as_dict()` gives back exactly the dict that was read:
+the local predictor (predict/local.py) and `local:1xN` clusters read that
+dict. Per-world-size tables are keyed `ws<N>` (N ranks).
+
+The file is TOML, written by the small writer below (nested tables of numbers,
+strings, bools and lists) and read with tomllib.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Mapping, Union
+
+from pydantic import BaseModel, ConfigDict, PlainValidator, StringConstraints, ValidationError
+
+DEFAULT_PROFILE = Path("ddlscope-calibration.toml")
+HEADER = "# ddlscope hardware profile (ddlscope calibrate)\n"
+
+
+def _number(value: Any) -> int | float:
+    """An int or a float, left as it is (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {value!r}")
+    return value
+
+
+Number = Annotated[Union[int, float], PlainValidator(_number)]
+Numbers = list[Number]
+WorldSize = Annotated[str, StringConstraints(pattern=r"^ws\d+$")]  # "ws4": measured with 4 ranks
+
+
+class _Table(BaseModel):
+    """A TOML table: typed fields, and the keys it does not declare kept as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class Meta(_Table):
+    created_at: Number | None = None  # Unix time
+    host: str | None = None
+    cores: int | None = None
+    torch: str | None = None
+    quick: bool | None = None
+    backend: str | None = None
+    memory_bytes: int | None = None
+    load_average_1min: Number | None = None  # other work on the machine skews every figure
+
+
+class MatmulFit(_Table):
+    """Square fp32 matmuls, and the fit time = overhead_s + 2 n^3 / peak_flops."""
+
+    sizes: Numbers | None = None
+    seconds: Numbers | None = None
+    flops: Numbers | None = None  # achieved FLOP/s per size
+    overhead_s: Number | None = None
+    peak_flops: Number | None = None
+    r2: Number | None = None
+
+
+class Bf16Matmul(_Table):
+    size: int | None = None
+    flops: Number | None = None
+
+
+class MemoryCurve(_Table):
+    bytes_moved: Numbers | None = None  # read + written per copy
+    bytes_per_s: Numbers | None = None
+
+
+class Compute(_Table):
+    threads: int | None = None
+    matmul: MatmulFit | None = None
+    peak_flops: Number | None = None  # the best achieved matmul FLOP/s
+    bf16: Bf16Matmul | None = None  # empty where the CPU has no bf16 matmul
+    op_overhead_s: Number | None = None
+    optimizer_tensor_s: Number | None = None
+    memory_bandwidth_bytes_per_s: Number | None = None  # the largest copy's rate
+    memory_curve: MemoryCurve | None = None
+
+
+class AlphaBetaFit(_Table):
+    """time = alpha_s + bytes / beta_bytes_per_s (fit.fit_alpha_beta)."""
+
+    alpha_s: Number | None = None
+    beta_bytes_per_s: Number | None = None
+    r2: Number | None = None  # of the bandwidth fit
+    r2_all: Number | None = None  # over every size
+    alpha_fit_s: Number | None = None  # the least-squares intercept
+    seconds: Numbers | None = None
+
+
+class CollectiveFit(AlphaBetaFit):
+    """The median repeat's fit (what a step typically pays), and the fastest repeat's."""
+
+    sizes: Numbers | None = None  # payload bytes per message
+    fastest: AlphaBetaFit | None = None
+
+
+class SyncProbe(_Table):
+    """One value per block length (probes.SYNC_PROBE_BLOCKS_S)."""
+
+    block_alone_s: Numbers | None = None
+    block_together_s: Numbers | None = None
+    wait_s: Numbers | None = None
+    latency_s: Numbers | None = None
+    compute_stretch: Numbers | None = None
+    sync_overhead_s: Numbers | None = None
+
+
+class DdpProbe(_Table):
+    model_bytes: Numbers | None = None
+    overhead_s: Numbers | None = None
+
+
+class FsdpProbe(_Table):
+    unit_bytes: Numbers | None = None
+    unit_overhead_s: Numbers | None = None
+
+
+class ServerProbe(_Table):
+    """A parameter server's transport round (probes._incast_probe)."""
+
+    workers: int | None = None
+    bytes: Numbers | None = None
+    round_s: Numbers | None = None  # back to back
+    block_alone_s: Numbers | None = None
+    busy_round_s: list[Numbers] | None = None  # one list per block length
+    busy_block_s: Numbers | None = None
+
+
+class CalibrationProfile(_Table):
+    meta: Meta | None = None
+    compute: Compute
+    collectives: dict[WorldSize, dict[str, CollectiveFit]]  # ws<N> -> collective -> fit
+    sync: dict[WorldSize, SyncProbe] | None = None
+    ddp: dict[WorldSize, DdpProbe] | None = None
+    fsdp: dict[WorldSize, FsdpProbe] | None = None
+    ps: dict[WorldSize, ServerProbe] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The profile as the plain dict it was made from (what the local predictor reads): the same
+        keys and values; declared keys come in the declared order (calibrate's), then the others."""
+        return self.model_dump(exclude_unset=True)
+
+    def write(self, path: Path) -> None:
+        write_profile(self.as_dict(), path)
+
+    @classmethod
+    def load(cls, path: Path) -> "CalibrationProfile":
+        """Read and check a profile file; a missing, unreadable or ill-typed one is a one-line ConfigError."""
+        from ddlscope.specs import ConfigError
+
+        if not path.is_file():
+            raise ConfigError(f"calibration file {path} does not exist (run `ddlscope calibrate` first)")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"calibration file {path} is not valid TOML: {exc}") from None
+        if "compute" not in raw or "collectives" not in raw:
+            raise ConfigError(f"calibration file {path} has no [compute] / [collectives] tables")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise ConfigError(f"calibration file {path}: {where}: {error['msg']}") from None
+
+
+def write_profile(profile: Mapping[str, Any] | CalibrationProfile, path: Path) -> None:
+    data = profile.as_dict() if isinstance(profile, CalibrationProfile) else dict(profile)
+    path.write_text(HEADER + to_toml(data))
+
+
+def load_profile(path: Path) -> dict[str, Any]:
+    """The profile at `path`, checked, as the dict the local predictor reads."""
+    return CalibrationProfile.load(path).as_dict()
+
+
+# --------------------------------------------------------------------------- a small TOML writer
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """A small TOML writer for nested dicts of numbers, strings, bools and lists."""
+    lines, tables = [], []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        else:
+            lines.append(f"{k} = {_toml_value(v)}")
+    out = ""
+    if prefix and lines:
+        out += f"[{prefix}]\n"
+    out += "\n".join(lines) + ("\n" if lines else "")
+    for k, v in tables:
+        sub = to_toml(v, f"{prefix}.{k}" if prefix else k)
+        out += ("\n" if out else "") + sub
+    return out

@@ -1,0 +1,243 @@
+"""The step profiler: what one rank's training step computes and holds, counted once for everyone.
+
+`profile_step` runs one forward + backward of a per-rank batch on a copy of
+the model (the model itself is left untouched: no gradients, no RNG drawn, no
+BatchNorm statistics) and returns a `StepProfile`. Its readers each convert it
+into what they report:
+
+- the worker (runtime/flops.py): model FLOPs per step, for MFU;
+- advise (advise.profile_workload): FLOPs, the nn.Linear GEMM shapes,
+  activation bytes and the FSDP unit count, for the cluster-scale models;
+- calibrate (calibrate.workload_facts): FLOPs, op counts, per-matmul shapes,
+  memory-bound bytes and parameter sizes, for the local predictor.
+
+Two passes, because they need different tensors:
+
+1. Shapes (always): on a copy on the meta device (shapes only: no memory, no
+   time, whatever the model's size), under FlopCounterMode with attention
+   forced through the math SDPA kernel (the counter sees 0 FLOPs in CPU
+   flash attention), with forward hooks on nn.Linear and saved-tensor hooks
+   for the activations autograd keeps. A model with an op that has no meta
+   kernel is counted on a real copy instead, with the RNG state put back.
+2. Ops (`count_ops=True`): on a real copy, under a dispatch mode that counts
+   every op, the shape of every matmul and the bytes every other op reads and
+   writes. Real tensors because meta kernels dispatch slightly different ops
+   (one fewer in gpt-char's step), and without the saved-tensor hooks of pass
+   1 because those add ops of their own; the counts are what the step's real
+   kernels do.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ddlscope.strategies.units import wrap_units
+from ddlscope.workloads.base import Dataset, LossFn, Task
+
+MATMUL_OPS = ("mm", "addmm", "bmm")
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One dispatched matmul of the step (forward or backward): `batch` x (m, k) @ (k, n)."""
+
+    batch: int
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.batch * self.m * self.k * self.n
+
+    @property
+    def effective_size(self) -> float:
+        """The side of the square matmul with as many multiply-adds per batch entry: (m k n)^(1/3)."""
+        return (self.m * self.k * self.n) ** (1 / 3)
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """What the step's real kernels do (pass 2). A small model's CPU step is mostly per-op overhead."""
+
+    ops: int  # every op the dispatcher saw, forward + backward
+    matmuls: tuple[Matmul, ...]  # in dispatch order
+    other_op_bytes: int  # bytes read and written by every op that is not a matmul (memory-bound work)
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One rank's training step: forward + backward of `batch` samples."""
+
+    batch: int
+    flops: int  # forward + backward (FlopCounterMode): model FLOPs, nothing recomputed
+    counted_on: str  # "meta", or the device of the real copy pass 1 fell back to
+    linear_gemms: tuple[tuple[int, int, int], ...]  # (m, n, k) of each nn.Linear forward, in call order
+    activation_bytes: int  # tensors autograd saves for backward, parameters excluded
+    param_numel: tuple[int, ...]  # per parameter tensor, in model.parameters() order
+    param_dim0: tuple[int, ...]  # each parameter's first dimension (1 for a scalar): what FSDP shards
+    param_dtype: torch.dtype  # of the first parameter
+    param_bytes: int
+    gradient_bytes: int  # of the parameters that require a gradient
+    unit_param_numel: tuple[int, ...]  # per wrap unit (strategies.units.wrap_units)
+    root_param_numel: int  # parameters outside every unit (they stay with FSDP's root)
+    ops: OpCounts | None = None  # pass 2, when asked for
+
+    @property
+    def params(self) -> int:
+        return sum(self.param_numel)
+
+    @property
+    def units(self) -> int:
+        return len(self.unit_param_numel)
+
+    def optimizer_bytes(self, optimizer: str, momentum: float) -> int:
+        return optimizer_states_per_param(optimizer, momentum) * self.param_bytes
+
+
+def optimizer_states_per_param(optimizer: str, momentum: float) -> int:
+    """State tensors the optimizer keeps per parameter, each of the parameter's size and dtype:
+    AdamW exp_avg and exp_avg_sq; SGD a momentum buffer when momentum > 0."""
+    if optimizer == "adamw":
+        return 2
+    return 1 if momentum > 0 else 0
+
+
+def first_batch(dataset: Dataset, size: int) -> tuple[Tensor, Tensor]:
+    """Samples 0 .. size-1 (wrapping around a smaller dataset), as a step of `size` would read them.
+
+    The ids are CPU tensors: a dataset built under the meta device indexes with them too, and one
+    whose data is real (a corpus read from package data) needs them; profile_step moves the batch.
+    """
+    return dataset.get(torch.arange(size) % max(len(dataset), 1))
+
+
+def profile_task(task: Task, batch: int, *, count_ops: bool = False) -> StepProfile:
+    """`profile_step` of the task's model on its first `batch` training samples."""
+    x, y = first_batch(task.train, batch)
+    return profile_step(task.model, task.loss_fn, x, y, count_ops=count_ops)
+
+
+def profile_step(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, *, count_ops: bool = False) -> StepProfile:
+    """Profile forward + backward of `model` on (x, y); see the module docstring. `model` is left untouched."""
+    shapes = _shapes_pass(model, loss_fn, x, y)
+    params = list(model.parameters())
+    units = wrap_units(model)
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    return StepProfile(
+        batch=len(x), flops=shapes.flops, counted_on=shapes.counted_on, linear_gemms=tuple(shapes.linear_gemms),
+        activation_bytes=shapes.activation_bytes,
+        param_numel=tuple(p.numel() for p in params), param_dim0=tuple(p.shape[0] if p.dim() else 1 for p in params),
+        param_dtype=params[0].dtype if params else torch.float32,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        unit_param_numel=tuple(sum(p.numel() for p in unit.parameters()) for unit in units),
+        root_param_numel=sum(p.numel() for p in params if id(p) not in in_units),
+        ops=_ops_pass(model, loss_fn, x, y) if count_ops else None)
+
+
+# --------------------------------------------------------------------------- pass 1: shapes
+@dataclass
+class _Shapes:
+    flops: int
+    linear_gemms: list[tuple[int, int, int]]
+    activation_bytes: int
+    counted_on: str
+
+
+def _shapes_pass(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> _Shapes:
+    try:
+        return _count_shapes(copy.deepcopy(model).to("meta"), loss_fn, x.to("meta"), y.to("meta"), "meta")
+    except Exception:  # an op without a meta kernel: count on a real copy
+        device = _device_of(model)
+        if device.type == "meta":
+            raise  # nothing real to fall back to
+        with _rng_put_back(device):
+            return _count_shapes(copy.deepcopy(model), loss_fn, x.to(device), y.to(device), str(device))
+
+
+def _count_shapes(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, where: str) -> _Shapes:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model.train()
+    gemms: list[tuple[int, int, int]] = []
+
+    def on_linear(module: nn.Linear, inputs: tuple[Any, ...], _out: Any) -> None:
+        k = module.in_features
+        gemms.append((int(inputs[0].numel() // k), module.out_features, k))
+
+    param_ids = {id(p) for p in model.parameters()}
+    saved = [0]
+
+    def pack(t: Tensor) -> Tensor:
+        base = getattr(t, "_base", None)  # a view of a parameter is the parameter, not an activation
+        if id(t) not in param_ids and (base is None or id(base) not in param_ids):
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    hooks = [m.register_forward_hook(on_linear) for m in model.modules() if isinstance(m, nn.Linear)]
+    counter = FlopCounterMode(display=False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH), counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = loss_fn(model(x), y)
+            loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return _Shapes(int(counter.get_total_flops()), gemms, saved[0], where)
+
+
+# --------------------------------------------------------------------------- pass 2: ops
+def _ops_pass(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor) -> OpCounts:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = _device_of(model)
+    if device.type == "meta":
+        raise ValueError("op counts need a real model: meta kernels dispatch different ops")
+    replica = copy.deepcopy(model).train()
+    counter = _OpCounter()
+    with _rng_put_back(device), sdpa_kernel(SDPBackend.MATH), counter:
+        loss_fn(replica(x.to(device)), y.to(device)).backward()
+    return OpCounts(counter.count, tuple(counter.matmuls), counter.other_bytes)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts every dispatched op; records each matmul's shape and every other op's bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.other_bytes = 0
+        self.matmuls: list[Matmul] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        out = func(*args, **(kwargs or {}))
+        name = str(getattr(func, "__name__", func)).split(".")[0]
+        mats = [a for a in args if isinstance(a, Tensor) and a.dim() >= 2]
+        if name in MATMUL_OPS and len(mats) >= 2:
+            a, b = mats[-2], mats[-1]  # addmm's first argument is the bias
+            self.matmuls.append(Matmul(batch=a.shape[0] if a.dim() == 3 else 1, m=a.shape[-2], k=a.shape[-1],
+                                       n=b.shape[-1]))
+        else:  # memory-bound: bytes read and written
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            self.other_bytes += sum(t.nbytes for t in (*args, *outs) if isinstance(t, Tensor))
+        return out
+
+
+# --------------------------------------------------------------------------- helpers
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _rng_put_back(device: torch.device) -> Any:
+    """Random ops of a real step (dropout) draw from the RNG; training must not see that."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
