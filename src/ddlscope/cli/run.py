@@ -18,7 +18,7 @@ from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, consol
                                  open_store)
 from ddlscope.store import STEP_COLUMNS, Run, Store, StoreError
 
-EXPORT_FORMATS = ("csv", "json")
+EXPORT_FORMATS = ("csv", "json", "parquet")
 EXPORT_TABLES = ("steps", "evals", "memory", "events")
 
 
@@ -156,19 +156,23 @@ def show(run_ref: RunArg,
 
 # ---------------------------------------------------------------------------- export
 def export(run_ref: RunArg,
-           fmt: Annotated[str, typer.Option("--format", "-f", help="csv (one table) or json (everything).")] = "csv",
-           table: Annotated[str, typer.Option(help="For csv: steps, evals, memory or events.")] = "steps",
+           fmt: Annotated[str, typer.Option("--format", "-f", help="csv or parquet (one table), or json (everything).")] = "csv",
+           table: Annotated[str, typer.Option(help="For csv and parquet: steps, evals, memory or events.")] = "steps",
            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
            db: DbOption = DEFAULT_DB) -> None:
-    """Export a run's rows as CSV or JSON."""
+    """Export a run's rows as CSV, JSON or Parquet."""
     if fmt not in EXPORT_FORMATS:
         raise UserError(f"--format = {fmt!r}: allowed: {', '.join(EXPORT_FORMATS)}")
     if table not in EXPORT_TABLES:
         raise UserError(f"--table = {table!r}: allowed: {', '.join(EXPORT_TABLES)}")
+    if fmt == "parquet" and output is None and sys.stdout.isatty():
+        raise UserError("--format parquet is binary: give --output FILE, or redirect stdout to a file")
     with open_store(db) as store:
         run_ = store.get_run(run_ref)
         data = {t: [dict(r) for r in getattr(store, t)(run_.id)] for t in EXPORT_TABLES}
-    if fmt == "json":
+    if fmt == "parquet":
+        _write_bytes(_parquet_bytes(data[table], _columns(data[table], table)), output)
+    elif fmt == "json":
         _write_text(_json_text(run_, data), output)
     else:
         _write_text(_csv_text(data[table], _columns(data[table], table)), output)
@@ -195,12 +199,38 @@ def _csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return buf.getvalue()
 
 
+def _parquet_bytes(rows: list[dict[str, Any]], columns: list[str]) -> bytes:
+    """The rows as one Parquet file: the csv export's columns, in its order, with the store's types."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("--format parquet needs pyarrow: pip install pyarrow") from None
+    if rows:
+        arrow_table = pa.Table.from_pylist(rows).select(columns)
+    else:  # no rows: still the header, as the csv export writes it
+        arrow_table = pa.table({c: pa.array([], pa.null()) for c in columns})
+    sink = pa.BufferOutputStream()
+    pq.write_table(arrow_table, sink)
+    return sink.getvalue().to_pybytes()
+
+
 def _write_text(text: str, output: Optional[Path]) -> None:
     if output:
         output.write_text(text)
         err_console.print(f"wrote {output}")
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _write_bytes(data: bytes, output: Optional[Path]) -> None:
+    if output:
+        output.write_bytes(data)
+        err_console.print(f"wrote {output}")
+    else:
+        sys.stdout.flush()  # text printed before must not land after the bytes
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
 
 
 # ---------------------------------------------------------------------------- trace
