@@ -6,11 +6,7 @@ import json
 
 import pytest
 
-from ddlscope.cli import app, main
-from ddlscope.cli_advise import register
-
-if not any((c.name or c.callback.__name__) in ("advise", "advise_command") for c in app.registered_commands):
-    register(app)
+from ddlscope.cli import main
 
 # A compute-heavy GPT: 150M parameters, 1024-token sequences, 8 sequences per GPU on 32 GPUs.
 GPT_HEAVY = ["--workload", "gpt-synthetic", "--set", "workload.hidden=1024", "--set", "workload.layers=12",

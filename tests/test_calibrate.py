@@ -103,9 +103,7 @@ def _cli(tmp_path: Path, *args: str, timeout_s: float = 170):
     import os
     import subprocess
 
-    code = ("import sys; from ddlscope.cli import app, main; from ddlscope.cli_calibrate import register; "
-            "names = {c.name or c.callback.__name__ for c in app.registered_commands}; "
-            "'calibrate' in names or register(app); sys.exit(main(sys.argv[1:]))")
+    code = "import sys; from ddlscope.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
@@ -160,7 +158,7 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
 
 
 def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, monkeypatch):
-    from ddlscope.cli_calibrate import resolve_calibration
+    from ddlscope.cli.common import resolve_calibration
     from ddlscope.store import Store
 
     monkeypatch.chdir(tmp_path)  # no ./ddlscope-calibration.toml here

@@ -1,13 +1,11 @@
-"""`ddlscope predict` / `ddlscope plan` through `ddlscope.cli_predict.register` on a fresh typer app."""
+"""`ddlscope predict` / `ddlscope plan` through the ddlscope typer app (`ddlscope.cli.predict`)."""
 
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from ddlscope import cli
-from ddlscope.cli_predict import register
 from ddlscope.specs import ConfigError
 
 FLAGS = ("predict --cluster a100-80gb:8x8 --model gpt --hidden 3072 --heads 32 --layers 30 --seq 2048 --vocab 51200 "
@@ -18,9 +16,7 @@ REQUIRED_KEYS = {"step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu", "m
 
 @pytest.fixture
 def app():
-    fresh = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
-    register(fresh)
-    return fresh
+    return cli.app
 
 
 @pytest.fixture
@@ -34,9 +30,8 @@ def run(app):
 
 
 @pytest.fixture
-def main(app, monkeypatch, capsys):
-    """cli.main() over the fresh app: ConfigError -> one line on stderr, status 2."""
-    monkeypatch.setattr(cli, "app", app)
+def main(capsys):
+    """cli.main(): ConfigError -> one line on stderr, status 2."""
 
     def call(*args: str):
         code = cli.main(list(args))

@@ -81,9 +81,7 @@ def test_predict_run_on_a_stored_ddp_run(tmp_path: Path):
                                  "workload.optimizer": "adamw", "workload.lr": 1e-3})
     assert launch(exp, db).status == "finished"
     write_profile(PROFILE, tmp_path / "cal.toml")
-    code = ("import sys; from ddlscope.cli import app, main; from ddlscope.cli_calibrate import register; "
-            "names = {c.name or c.callback.__name__ for c in app.registered_commands}; "
-            "'calibrate' in names or register(app); sys.exit(main(sys.argv[1:]))")
+    code = "import sys; from ddlscope.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, "predict-run", "1", "--calibration", "cal.toml", "--json"],
                           cwd=tmp_path, env={"PYTHONPATH": str(SRC), "COLUMNS": "200"}, capture_output=True,
                           text=True, timeout=120)

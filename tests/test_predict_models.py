@@ -21,7 +21,7 @@ GB = 1e9
 # ---------------------------------------------------------------------------- no torch
 def test_importing_the_predictor_does_not_import_torch():
     code = ("import sys, ddlscope.predict, ddlscope.predict.planner, ddlscope.predict.strategies, "
-            "ddlscope.cli_predict; assert 'torch' not in sys.modules, 'torch imported'; "
+            "ddlscope.cli.predict; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert not any(m.startswith('torch.') for m in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(SRC)}, capture_output=True, text=True,
                           timeout=60)

@@ -195,15 +195,11 @@ def test_figures_deterministic_and_none_without_data():
 
 
 def test_cli_report_writes_page_and_bad_ref_is_one_line(store, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from ddlscope.report.cli import register
+    from ddlscope.cli import app
     from ddlscope.store import StoreError
 
-    app = typer.Typer()
-    app.callback()(lambda: None)
-    register(app)
     out = tmp_path / "r.html"
     result = CliRunner().invoke(app, ["report", "single", "ddp2", "--db", str(store.path), "-o", str(out),
                                       "--title", "cli <t>"])
@@ -215,10 +211,10 @@ def test_cli_report_writes_page_and_bad_ref_is_one_line(store, tmp_path):
     assert isinstance(bad.exception, StoreError)
 
     # through ddlscope's main(): one line on stderr, exit 2; and the report layer never loads torch
-    code = ("import sys; from ddlscope import cli; from ddlscope.report.cli import register\n"
+    code = ("import sys; from ddlscope import cli\n"
             "import ddlscope.report.html\n"
             "assert 'torch' not in sys.modules, 'report imported torch'\n"
-            "register(cli.app); sys.exit(cli.main(sys.argv[1:]))")
+            "sys.exit(cli.main(sys.argv[1:]))")
     proc = subprocess.run([sys.executable, "-c", code, "report", "nope", "--db", str(store.path), "-o", str(out)],
                           env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr

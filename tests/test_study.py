@@ -147,15 +147,15 @@ def test_paper_analysis_reads_the_median_of_a_cells_seeds():
 def test_cell_table_wraps_long_cell_names_at_80_columns(monkeypatch):
     from rich.console import Console
 
-    import ddlscope.cli as cli
+    import ddlscope.cli.study as study_cli
 
     key = "ps-stale-aware/fast/straggler/w2/seed2"
     labels = {"part": "accuracy", "strategy": "ps-stale-aware", "network": "fast", "workers": "straggler",
               "world_size": 2, "group": "ps-stale-aware/fast/straggler/w2", "seed": 2}
     results = [_result(key, labels, 0.03, 3.0, 0.9)]
     console = Console(width=80, record=True)
-    monkeypatch.setattr(cli, "console", console)
-    cli._print_findings("paper", results, STUDIES.get("paper")().analyse(results, quick=True))
+    monkeypatch.setattr(study_cli, "console", console)
+    study_cli._print_findings("paper", results, STUDIES.get("paper")().analyse(results, quick=True))
     text = console.export_text()
     assert "…" not in text
     assert "".join(line.split()[0] for line in text.splitlines()[2:4]) == key  # folded onto two lines

@@ -22,6 +22,9 @@ from typing import Any, Iterable, Iterator
 
 SCHEMA_VERSION = 1
 
+# Where runs are kept when no --db names another store: the one default every command and layer uses.
+DEFAULT_DB = Path("ddlscope.db")
+
 STEP_COLUMNS = (
     "t_s", "data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "step_s",
     "comm_s", "compute_cpu_s", "samples", "loss", "bytes_sent",

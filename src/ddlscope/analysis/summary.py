@@ -19,7 +19,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddlscope.specs import STRATEGY_SPECS
+from ddlscope.specs import STRATEGY_SPECS, is_baseline, traits_of
 from ddlscope.store import Run, Store
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
@@ -177,14 +177,9 @@ def _add_utilization(summary: Summary, store: Store, run: Run) -> None:
                            f"{summary.timing_basis} step time; peak {source}")
 
 
-def _baseline_strategies() -> list[str]:
-    """The strategies that train on one process: a speedup's denominator."""
-    return [name for name, cls in STRATEGY_SPECS.items() if cls.traits.single_process]
-
-
 def find_single_baseline(store: Store, run: Run) -> Run | None:
     """The newest finished one-process run of the same workload spec, the speedup's denominator."""
-    baselines = _baseline_strategies()
+    baselines = [name for name in STRATEGY_SPECS.names() if is_baseline(name)]
     if run.strategy in baselines:
         return None
     for strategy in baselines:
@@ -258,9 +253,8 @@ def _per_rank_batch(config: dict[str, Any]) -> int | None:
         batch, world = config["workload"]["batch_size"], config["cluster"]["world_size"]
     except KeyError:
         return None
-    name = config["strategy"]["name"]
-    whole_batch = name in STRATEGY_SPECS and not STRATEGY_SPECS.get(name).traits.splits_global_batch
-    return batch if whole_batch else batch // world
+    traits = traits_of(config["strategy"]["name"])
+    return batch if traits is not None and not traits.splits_global_batch else batch // world
 
 
 def _notes(run: Run) -> list[str]:

@@ -2,7 +2,7 @@
 
 Reads the store and the analysis layer; never the runtime, never torch.
 `ddlscope.report.html` holds the pages, `ddlscope.report.figures` the plots
-(matplotlib, Agg), `ddlscope.report.cli` the `ddlscope report` command.
+(matplotlib, Agg); the `ddlscope report` command is in `ddlscope.cli.report`.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ from ddlscope.specs.experiment import (
     NETWORK_PROFILES, TARGET_COMPUTE_EFFICIENCY, ClusterSpec, Experiment, Fault, NetworkProfile, NetworkSpec,
     WorkloadSpec, check_consistency)
 from ddlscope.specs.registry import import_submodules
-from ddlscope.specs.strategy import STRATEGY_SPECS, Family, StrategySpec, Traits, strategy_spec, strategy_specs
+from ddlscope.specs.strategy import (
+    STRATEGY_SPECS, Family, StrategySpec, Traits, is_baseline, strategy_spec, strategy_specs, traits_of)
 
 import_submodules("ddlscope.specs.strategies")
 
 __all__ = ["NETWORK_PROFILES", "STRATEGY_SPECS", "TARGET_COMPUTE_EFFICIENCY", "ClusterSpec", "ConfigError",
            "Experiment", "Family", "Fault", "NetworkProfile", "NetworkSpec", "Spec", "StrategySpec", "Traits",
-           "WorkloadSpec", "check_consistency", "describe_validation_error", "remember_spec_class",
-           "strategy_spec", "strategy_specs"]
+           "WorkloadSpec", "check_consistency", "describe_validation_error", "is_baseline", "remember_spec_class",
+           "strategy_spec", "strategy_specs", "traits_of"]

@@ -78,3 +78,14 @@ def strategy_spec(cls: S) -> S:
 def strategy_specs() -> list[type[StrategySpec]]:
     """Every registered strategy spec, simplest first."""
     return sorted((cls for _, cls in STRATEGY_SPECS.items()), key=lambda c: (c.traits.simplicity, c.__name__))
+
+
+def traits_of(name: str) -> Traits | None:
+    """A registered strategy's traits, None for a name no spec registers (e.g. an old stored run's)."""
+    return STRATEGY_SPECS.get(name).traits if name in STRATEGY_SPECS else None
+
+
+def is_baseline(name: str) -> bool:
+    """Whether runs of this strategy are the one-process baseline that speedups divide by."""
+    traits = traits_of(name)
+    return traits is not None and traits.single_process

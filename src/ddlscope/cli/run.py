@@ -1,4 +1,4 @@
-"""The `ddlscope` command line."""
+"""Runs: `run` one experiment, then read runs back: `runs`, `show`, `export`, `trace`, `scaling`."""
 
 from __future__ import annotations
 
@@ -10,54 +10,20 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from ddlscope.specs import ConfigError
-from ddlscope.store import STEP_COLUMNS, Store, StoreError
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, console, err_console, json_option,
+                                 open_store)
+from ddlscope.specs import is_baseline
+from ddlscope.store import STEP_COLUMNS, Run, Store, StoreError
 
-app = typer.Typer(
-    help="ddlscope: run, measure, explain and predict distributed deep-learning training strategies.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-console = Console()
-
-
-def _register_plugins() -> None:
-    """Commands that live beside their layer (report, predict) add themselves to the app."""
-    from ddlscope.cli_advise import register as register_advise
-    from ddlscope.cli_calibrate import register as register_calibrate
-    from ddlscope.cli_predict import register as register_predict
-    from ddlscope.report.cli import register as register_report
-
-    register_report(app)
-    register_predict(app)
-    register_advise(app)
-    register_calibrate(app)
-
-err_console = Console(stderr=True)
-
-DbOption = Annotated[Path, typer.Option("--db", help="SQLite store holding runs and their rows.")]
-DEFAULT_DB = Path("ddlscope.db")
-MAX_STUDY_REPEATS = 10
-
-
-class UserError(Exception):
-    """Bad input from the user: one line on stderr, exit status 2."""
-
-
-def _open_store(db: Path, must_exist: bool = True) -> Store:
-    if must_exist and not db.exists():
-        raise UserError(f"no store at {db} (run `ddlscope run` first, or pass --db)")
-    return Store(db)
+EXPORT_FORMATS = ("csv", "json", "parquet")
+EXPORT_TABLES = ("steps", "evals", "memory", "events")
 
 
 # ---------------------------------------------------------------------------- run
-@app.command()
 def run(
     config: Annotated[Optional[Path], typer.Argument(help="TOML experiment file; flags override it.")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (see `ddlscope workloads`).")] = None,
@@ -73,7 +39,7 @@ def run(
     rdzv_endpoint: Annotated[Optional[str], typer.Option(help="host:port of node 0's rendezvous.")] = None,
     procs_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (world size = nnodes x this).")] = None,
     db: DbOption = DEFAULT_DB,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+    as_json: Annotated[bool, json_option("Print the summary as one JSON object.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     trace: Annotated[bool, typer.Option("--trace", help="Profile steps 1-3 on every rank (torch.profiler); "
                                         "merge with `ddlscope trace RUN`. --set trace_steps=N for N steps.")] = False,
@@ -158,12 +124,11 @@ class _progress:
             self.bar.stop()
 
 
-# ---------------------------------------------------------------------------- runs / show / export
-@app.command()
+# ---------------------------------------------------------------------------- runs / show
 def runs(db: DbOption = DEFAULT_DB,
          limit: Annotated[int, typer.Option(help="Show the newest N runs.")] = 50) -> None:
     """List the runs in the store, newest first."""
-    with _open_store(db) as store:
+    with open_store(db) as store:
         # Names wrap rather than truncate (they are what one types back as RUN), so that 80 columns hold
         # a row: workload, strategy and ranks share one column.
         table = Table("id", Column("name", overflow="fold", ratio=1), Column("what", overflow="fold", ratio=1),
@@ -176,14 +141,13 @@ def runs(db: DbOption = DEFAULT_DB,
         console.print(table)
 
 
-@app.command()
-def show(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
+def show(run_ref: RunArg,
          db: DbOption = DEFAULT_DB,
-         as_json: Annotated[bool, typer.Option("--json", help="The summary as one JSON object.")] = False) -> None:
+         as_json: Annotated[bool, json_option("The summary as one JSON object.")] = False) -> None:
     """Summary of one run: throughput, speedup vs single, breakdown, memory, final metric."""
     from ddlscope.analysis.summary import summarize
 
-    with _open_store(db) as store:
+    with open_store(db) as store:
         summary = summarize(store, store.get_run(run_ref))
     if as_json:
         print(json.dumps(summary.to_dict(), default=str))
@@ -191,33 +155,68 @@ def show(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uui
         _print_summary(summary)
 
 
-@app.command()
-def export(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
-           fmt: Annotated[str, typer.Option("--format", "-f", help="csv (one table) or json (everything).")] = "csv",
-           table: Annotated[str, typer.Option(help="For csv: steps, evals, memory or events.")] = "steps",
+# ---------------------------------------------------------------------------- export
+def export(run_ref: RunArg,
+           fmt: Annotated[str, typer.Option("--format", "-f", help="csv or parquet (one table), or json (everything).")] = "csv",
+           table: Annotated[str, typer.Option(help="For csv and parquet: steps, evals, memory or events.")] = "steps",
            output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
            db: DbOption = DEFAULT_DB) -> None:
-    """Export a run's rows as CSV or JSON."""
-    if fmt not in ("csv", "json"):
-        raise UserError(f"--format = {fmt!r}: allowed: csv, json")
-    tables = ("steps", "evals", "memory", "events")
-    if table not in tables:
-        raise UserError(f"--table = {table!r}: allowed: {', '.join(tables)}")
-    with _open_store(db) as store:
+    """Export a run's rows as CSV, JSON or Parquet."""
+    if fmt not in EXPORT_FORMATS:
+        raise UserError(f"--format = {fmt!r}: allowed: {', '.join(EXPORT_FORMATS)}")
+    if table not in EXPORT_TABLES:
+        raise UserError(f"--table = {table!r}: allowed: {', '.join(EXPORT_TABLES)}")
+    if fmt == "parquet" and output is None and sys.stdout.isatty():
+        raise UserError("--format parquet is binary: give --output FILE, or redirect stdout to a file")
+    with open_store(db) as store:
         run_ = store.get_run(run_ref)
-        data = {t: [dict(r) for r in getattr(store, t)(run_.id)] for t in tables}
-    if fmt == "json":
-        from dataclasses import asdict
-
-        text = json.dumps({"run": asdict(run_), **data}, default=str, indent=1)
+        data = {t: [dict(r) for r in getattr(store, t)(run_.id)] for t in EXPORT_TABLES}
+    if fmt == "parquet":
+        _write_bytes(_parquet_bytes(data[table], _columns(data[table], table)), output)
+    elif fmt == "json":
+        _write_text(_json_text(run_, data), output)
     else:
-        buf = io.StringIO()
-        rows = data[table]
-        columns = list(rows[0]) if rows else (["run_id", "rank", "step", *STEP_COLUMNS] if table == "steps" else [])
-        writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        text = buf.getvalue()
+        _write_text(_csv_text(data[table], _columns(data[table], table)), output)
+
+
+def _columns(rows: list[dict[str, Any]], table: str) -> list[str]:
+    """A table's columns: its rows' keys; with no rows, the steps table still has its header."""
+    if rows:
+        return list(rows[0])
+    return ["run_id", "rank", "step", *STEP_COLUMNS] if table == "steps" else []
+
+
+def _json_text(run_: Run, data: dict[str, list[dict[str, Any]]]) -> str:
+    from dataclasses import asdict
+
+    return json.dumps({"run": asdict(run_), **data}, default=str, indent=1)
+
+
+def _csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _parquet_bytes(rows: list[dict[str, Any]], columns: list[str]) -> bytes:
+    """The rows as one Parquet file: the csv export's columns, in its order, with the store's types."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("--format parquet needs pyarrow: pip install pyarrow") from None
+    if rows:
+        arrow_table = pa.Table.from_pylist(rows).select(columns)
+    else:  # no rows: still the header, as the csv export writes it
+        arrow_table = pa.table({c: pa.array([], pa.null()) for c in columns})
+    sink = pa.BufferOutputStream()
+    pq.write_table(arrow_table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _write_text(text: str, output: Optional[Path]) -> None:
     if output:
         output.write_text(text)
         err_console.print(f"wrote {output}")
@@ -225,14 +224,24 @@ def export(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, u
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
-@app.command()
-def trace(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")],
+def _write_bytes(data: bytes, output: Optional[Path]) -> None:
+    if output:
+        output.write_bytes(data)
+        err_console.print(f"wrote {output}")
+    else:
+        sys.stdout.flush()  # text printed before must not land after the bytes
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+
+
+# ---------------------------------------------------------------------------- trace
+def trace(run_ref: RunArg,
           output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Merged trace (default: trace-RUNID.json).")] = None,
           db: DbOption = DEFAULT_DB) -> None:
     """Merge a traced run's per-rank profiler traces into one chrome-trace / Perfetto JSON (one track per rank)."""
     from ddlscope.analysis.trace_merge import RankTrace, TraceMergeError, merge_traces
 
-    with _open_store(db) as store:
+    with open_store(db) as store:
         run_ = store.get_run(run_ref)
         traces = {e["rank"]: Path(e["message"].partition("path=")[2]) for e in store.events(run_.id)
                   if e["kind"] == "trace" and "path=" in e["message"]}
@@ -256,97 +265,7 @@ def trace(run_ref: Annotated[str, typer.Argument(metavar="RUN", help="Run id, uu
                           "(ranks on other nodes keep theirs on their node)", markup=False, highlight=False)
 
 
-# ---------------------------------------------------------------------------- study
-@app.command()
-def study(
-    name: Annotated[str, typer.Argument(help="Study name (see `ddlscope studies`); `paper` is the main study.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 4 minutes here).")] = False,
-    fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
-    repeats: Annotated[int, typer.Option("--repeats", help="Seeds per cell whose outcome varies from run to run "
-                                         "(the parameter servers'); headlines read their medians.")] = 3,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
-    db: DbOption = DEFAULT_DB,
-) -> None:
-    """Run a study's cells (reusing those already in the store), then print and write its report."""
-    from ddlscope.studies import STUDIES
-    from ddlscope.studies.base import StudyCellFailed, run_cells
-
-    try:
-        study_obj = STUDIES.get(name)()
-    except KeyError as exc:
-        raise UserError(str(exc)) from None
-    if db.parent and not db.resolve().parent.exists():
-        raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
-    if not 1 <= repeats <= MAX_STUDY_REPEATS:
-        raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_STUDY_REPEATS}")
-    report_path = output or Path(f"{name}-report.html")
-    cells = study_obj.cells(quick, repeats)
-    show = console.is_terminal
-    with Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not show) as bar:
-        task = bar.add_task("cells", total=len(cells), label="study")
-
-        def on_cell(index: int, cell: Any, state: str) -> None:
-            bar.update(task, completed=index, label=f"{cell.key} ({state})")
-            if not show:
-                err_console.print(f"[{index + 1}/{len(cells)}] {cell.key}: {state}", markup=False, highlight=False)
-
-        try:
-            results = run_cells(name, cells, db, fresh, on_cell)
-        except StudyCellFailed as exc:
-            err_console.print(f"study {name} stopped: {exc}; rerun to resume", markup=False, highlight=False,
-                              soft_wrap=True)
-            raise typer.Exit(1)
-        bar.update(task, completed=len(cells), label="analysis")
-    findings = study_obj.analyse(results, quick)
-    _print_findings(name, results, findings)
-    from ddlscope.report.html import study_report, write_report
-
-    with Store(db) as store:
-        cells_data = [{"key": r.cell.key, "run": r.run, "labels": r.cell.labels} for r in results]
-        html = study_report(store, f"ddlscope study {name}{' (quick)' if quick else ''}", cells_data,
-                            findings.headlines, findings.decisions, findings.notes)
-    write_report(html, report_path)
-    console.print(f"report: {report_path.resolve()}")
-
-
-@app.command()
-def studies() -> None:
-    """List the registered studies."""
-    from ddlscope.studies import STUDIES
-
-    table = Table("study", "description")
-    for study_name, cls in STUDIES.items():
-        table.add_row(study_name, cls.description)
-    console.print(table)
-
-
-def _print_findings(name: str, results: list[Any], findings: Any) -> None:
-    reused = sum(r.reused for r in results)
-    console.print(f"[bold]study {name}[/bold]: {len(results)} cells ({reused} reused from the store)")
-    # A cell's key is what the store names its run (paper:KEY): wrapped, never cut to '…'
-    cells = Table(Column("cell", overflow="fold"), "step ms", "speedup", "accuracy", "wall s", "staleness",
-                  box=None, pad_edge=False)
-    single = next((r for r in results if r.cell.labels.get("strategy") == "single"), None)
-    for r in results:
-        s = r.summary
-        speed = (single.summary.effective_step_s / s.effective_step_s
-                 if single and s.effective_step_s and r.cell.labels.get("part") == "accuracy" else None)
-        cells.add_row(r.cell.key, f"{(s.effective_step_s or 0) * 1e3:.1f}", f"{speed:.2f}x" if speed else "-",
-                      f"{s.final_eval['metric']:.3f}" if s.final_eval and s.final_eval["metric_name"] == "accuracy" else "-",
-                      f"{s.effective_wall_s or 0:.1f}", f"{s.staleness['mean']:.2f}" if s.staleness else "-")
-    console.print(cells)
-    headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
-    for h in findings.headlines:
-        headlines.add_row(h["headline"], h["paper"], h["measured"], h["verdict"])
-    console.print(headlines)
-    for decision in findings.decisions:
-        console.print(f"- {decision}")
-    for note in findings.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
-
-
-@app.command()
+# ---------------------------------------------------------------------------- scaling
 def scaling(
     runs_: Annotated[Optional[list[str]], typer.Argument(metavar="[RUN]...", help="Runs to compare (default: see --workload).")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="With --strategy: the newest finished run per world size.")] = None,
@@ -357,7 +276,7 @@ def scaling(
     from ddlscope.analysis.scaling import latest_per_world_size, scaling_table
     from ddlscope.analysis.summary import PHASES
 
-    with _open_store(db) as store:
+    with open_store(db) as store:
         if runs_:
             chosen = [store.get_run(ref) for ref in runs_]
         elif workload and strategy:
@@ -387,67 +306,7 @@ def _ms_short(ms: float) -> str:
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
-# ---------------------------------------------------------------------------- catalogues
-@app.command()
-def strategies() -> None:
-    """List the registered strategies and their knobs."""
-    from ddlscope.specs import strategy_specs
-
-    _print_catalogue("strategy", [(cls.model_fields["name"].default, cls) for cls in strategy_specs()],
-                     base_fields={"name"})
-
-
-@app.command()
-def workloads() -> None:
-    """List the registered workloads and their knobs."""
-    from ddlscope.specs import WorkloadSpec
-    from ddlscope.workloads import WORKLOADS
-
-    _print_catalogue("workload", WORKLOADS.items(), base_fields=set(WorkloadSpec.model_fields))
-
-
-def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[str]) -> None:
-    table = Table(kind, "description", "knobs (default)")
-    for name, plugin in items:
-        spec_class = getattr(plugin, "spec_class", plugin)  # a workload plugin, or a strategy's spec class
-        knobs = ", ".join(f"{k}={f.default!r}" for k, f in spec_class.model_fields.items()
-                          if k not in base_fields)
-        table.add_row(name, plugin.description, knobs or "-")
-    console.print(table)
-
-
-# ---------------------------------------------------------------------------- slurm
-@app.command()
-def slurm(
-    config: Annotated[Path, typer.Argument(help="TOML experiment file.")],
-    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")],
-    procs_per_node: Annotated[int, typer.Option(help="Ranks per node (usually GPUs per node).")],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Script path (default: stdout).")] = None,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value.")] = None,
-    job_name: Annotated[str, typer.Option(help="Slurm job name.")] = "ddlscope",
-    time_limit: Annotated[str, typer.Option("--time", help="Slurm time limit.")] = "01:00:00",
-    port: Annotated[int, typer.Option(help="Rendezvous port on the first node.")] = 29500,
-    db: DbOption = DEFAULT_DB,
-) -> None:
-    """Write an sbatch script that runs CONFIG on NODES x PROCS_PER_NODE ranks with srun."""
-    from ddlscope.runtime.config import load_experiment, parse_override
-    from ddlscope.runtime.slurm import sbatch_script
-
-    if nodes < 1 or procs_per_node < 1:
-        raise UserError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
-    overrides = dict(parse_override(item) for item in set_ or [])
-    overrides.update({"cluster.nnodes": nodes, "cluster.world_size": nodes * procs_per_node,
-                      "cluster.rdzv_endpoint": f"127.0.0.1:{port}"})  # placeholder host: the script sets the real one
-    load_experiment(config, overrides)  # refuse a bad config now, not on the cluster
-    script = sbatch_script(config, nodes, procs_per_node, set_ or [], job_name, time_limit, port, db)
-    if output:
-        output.write_text(script)
-        err_console.print(f"wrote {output}; submit with: sbatch {output}")
-    else:
-        sys.stdout.write(script)
-
-
-# ---------------------------------------------------------------------------- output helpers
+# ---------------------------------------------------------------------------- summary output
 def _when(ts: float) -> str:
     import datetime as dt
 
@@ -482,7 +341,7 @@ def _print_summary(s: Any) -> None:
     if s.speedup_vs_single is not None:
         head.add_row("speedup vs single", f"{s.speedup_vs_single:.2f}x (run {s.baseline_run_id}); "
                      f"scaling efficiency {s.scaling_efficiency:.0%}")
-    elif r["strategy"] != "single":
+    elif not is_baseline(r["strategy"]):
         head.add_row("speedup vs single", "no matching finished `single` run in the store")
     if s.comm:
         head.add_row("communication", f"{_fmt_bytes(s.comm['bytes_sent_per_step'])}/step/rank, "
@@ -515,32 +374,3 @@ def _print_summary(s: Any) -> None:
         console.print(mt)
     for note in s.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
-
-
-_register_plugins()  # after the core commands, so `--help` lists those first
-
-
-# ---------------------------------------------------------------------------- entry point
-def main(argv: list[str] | None = None) -> int:
-    """Console-script entry: user errors become one line on stderr and exit status 2."""
-    from typer.exceptions import TyperException
-
-    try:
-        result = app(args=argv, standalone_mode=False, prog_name="ddlscope")
-    except (ConfigError, StoreError, UserError) as exc:
-        err_console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
-        return 2
-    except TyperException as exc:  # usage errors: bad option, wrong type, missing argument
-        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        err_console.print(f"error: {' '.join(message.split())}", markup=False, highlight=False, soft_wrap=True)
-        return getattr(exc, "exit_code", 2) or 2
-    except typer.Exit as exc:
-        return exc.exit_code
-    except typer.Abort:
-        err_console.print("aborted")
-        return 130
-    return result if isinstance(result, int) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
-"""`ddlscope advise`: rank DDP, FSDP and the parameter-server strategies for an experiment on a GPU cluster.
+"""`advise`: rank DDP, FSDP and the parameter-server strategies for an experiment on a GPU cluster.
 
-`register(app)` adds the command to a typer app. Bad input raises
-`ddlscope.specs.ConfigError`; the CLI's main() prints its one-line message
+Bad input raises `ddlscope.specs.ConfigError`; the CLI's main() prints its one-line message
 and exits with status 2.
 """
 
@@ -12,17 +11,12 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from ddlscope.cli.common import DEFAULT_DB, JsonOption, cluster_from_text, db_option, wide_when_piped
 from ddlscope.specs import ConfigError
 
-console = Console()
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `advise` command to `app`."""
-    app.command("advise")(advise_command)
+PIPED_WIDTH = 140  # the ranking table's nine columns: one line per strategy in a log or a file
 
 
 def advise_command(
@@ -37,15 +31,14 @@ def advise_command(
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps of the experiment.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Global batch size (split over the cluster's GPUs).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value (repeatable).")] = None,
-    db: Annotated[Path, typer.Option("--db", help="SQLite store with local runs (for the staleness penalty).")] = Path("ddlscope.db"),
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    db: Annotated[Path, db_option("SQLite store with local runs (for the staleness penalty).")] = DEFAULT_DB,
+    as_json: JsonOption = False,
     calibration: Annotated[Optional[Path], typer.Option(
         "--calibration", help="For a local:1xN cluster: profile TOML from `ddlscope calibrate` "
                               "(default: the newest in the store, else ./ddlscope-calibration.toml).")] = None,
 ) -> None:
     """Rank ddp, fsdp, ps-sync, ps-async, ssp and ps-stale-aware for an experiment on a GPU cluster, and explain."""
     from ddlscope.advise import advise
-    from ddlscope.cli_predict import cluster_from_text
     from ddlscope.runtime.config import load_experiment, parse_override
 
     if not cluster:
@@ -73,25 +66,23 @@ def advise_command(
 def _print(result: Any) -> None:
     from ddlscope.advise import duration_text
 
-    out = console if console.is_terminal else Console(width=140)  # no wrapped table when piped
-    out.print(f"[bold]{result.experiment}[/bold] ({result.workload['name']}, "
+    with wide_when_piped(PIPED_WIDTH) as out:
+        out.print(f"[bold]{result.experiment}[/bold] ({result.workload['name']}, "
                   f"{result.workload['params'] / 1e6:.4g}M parameters) on {result.cluster}: {result.workers} workers"
                   + (f", one {result.stragglers:g}x slower" if result.stragglers > 1 else ""))
-    table = Table("#", "strategy", "step", "comm (waited)", "samples/s", "GiB/GPU", "fits", "$/step", "experiment")
-    for r in result.strategies:
-        table.add_row(str(r.rank), r.strategy, _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
-                      f"{r.samples_per_s:.4g}", f"{r.memory_gib_per_gpu:.3g}", "yes" if r.fits else "[red]no[/red]",
-                      f"{r.cost_usd_per_step:.3g}", duration_text(r.experiment_time_s))
-    out.print(table)
-    for r in result.strategies:
-        if not r.synchronous:
-            out.print(f"staleness penalty, {r.strategy}: {r.staleness_penalty}", markup=False, highlight=False)
-    out.print(f"[bold]recommendation: {result.recommendation}[/bold]")
-    for reason in result.reasons:
-        out.print(f"- {reason}", markup=False, highlight=False)
+        table = Table("#", "strategy", "step", "comm (waited)", "samples/s", "GiB/GPU", "fits", "$/step", "experiment")
+        for r in result.strategies:
+            table.add_row(str(r.rank), r.strategy, _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
+                          f"{r.samples_per_s:.4g}", f"{r.memory_gib_per_gpu:.3g}", "yes" if r.fits else "[red]no[/red]",
+                          f"{r.cost_usd_per_step:.3g}", duration_text(r.experiment_time_s))
+        out.print(table)
+        for r in result.strategies:
+            if not r.synchronous:
+                out.print(f"staleness penalty, {r.strategy}: {r.staleness_penalty}", markup=False, highlight=False)
+        out.print(f"[bold]recommendation: {result.recommendation}[/bold]")
+        for reason in result.reasons:
+            out.print(f"- {reason}", markup=False, highlight=False)
 
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-

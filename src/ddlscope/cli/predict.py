@@ -1,7 +1,7 @@
-"""`ddlscope predict` and `ddlscope plan`: the performance model on the command line.
+"""Predictions: `predict` and `plan` (the performance model on the command line), and `predict-run`
+(a stored local run predicted from this machine's calibration, next to what it measured).
 
-`register(app)` adds both commands to a typer app. A configuration comes from
-flags, from a TOML file, or both (flags win):
+A configuration for predict and plan comes from flags, from a TOML file, or both (flags win):
 
     cluster = "a100-80gb:280x8"
     spot = false                  # price with spot instead of on-demand rates
@@ -42,12 +42,12 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Column, Table
 
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, JsonOption, RunArg, cluster_from_text, console, db_option,
+                                 require_store, resolve_calibration)
 from ddlscope.specs import ConfigError
-
-console = Console()
+from ddlscope.store import Store
 
 MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden",
               "kv_heads", "gated_mlp")
@@ -75,20 +75,17 @@ FfnOpt = Annotated[Optional[int], typer.Option("--ffn-hidden", help="MLP width (
 KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", help="Key/value heads (grouped-query attention).")]
 GatedOpt = Annotated[Optional[bool], typer.Option("--gated-mlp/--plain-mlp", help="SwiGLU MLP (Llama) or GeLU (GPT).")]
 SpotOpt = Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Price with spot rates.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-CalibrationOpt = Annotated[Optional[Path], typer.Option(
-    "--calibration", help="For --against or a local:1xN cluster: profile TOML from `ddlscope calibrate` "
-                          "(default: the newest in the store, else ./ddlscope-calibration.toml).")]
-DbOpt = Annotated[Path, typer.Option("--db", help="The store (for --against, and calibrations).")]
+CALIBRATION_DEFAULT = "(default: the newest in the store, else ./ddlscope-calibration.toml)."
+PredictCalibrationOpt = Annotated[Optional[Path], typer.Option(
+    "--calibration", help=f"For --against or a local:1xN cluster: profile TOML from `ddlscope calibrate` "
+                          f"{CALIBRATION_DEFAULT}")]
+PlanCalibrationOpt = Annotated[Optional[Path], typer.Option(
+    "--calibration", help=f"For a local:1xN cluster: profile TOML from `ddlscope calibrate` {CALIBRATION_DEFAULT}")]
+PredictDbOpt = Annotated[Path, db_option("The store (for --against, and calibrations).")]
+PlanDbOpt = Annotated[Path, db_option("The store (for calibrations).")]
 SustainedOpt = Annotated[Optional[float], typer.Option(
     "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (what the tensor "
                                  "cores keep in a training job; fit it with predict --measured-step-s).")]
-
-
-def register(app: typer.Typer) -> None:
-    """Add the `predict` and `plan` commands to `app`."""
-    app.command("predict")(predict_command)
-    app.command("plan")(plan_command)
 
 
 # ---------------------------------------------------------------------------- predict
@@ -122,16 +119,14 @@ def predict_command(
     measured_step_s: Annotated[Optional[float], typer.Option(
         "--measured-step-s", help="A step time measured for this configuration on your stack: fit "
                                   "sustained_fraction to it, print it, and predict with it.")] = None,
-    as_json: JsonOpt = False,
+    as_json: JsonOption = False,
     against: Annotated[Optional[str], typer.Option(
         "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.")] = None,
-    calibration: CalibrationOpt = None,
-    db: DbOpt = Path("ddlscope.db"),
+    calibration: PredictCalibrationOpt = None,
+    db: PredictDbOpt = DEFAULT_DB,
 ) -> None:
     """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""
     if against is not None:
-        from ddlscope.cli_calibrate import print_run_prediction
-
         print_run_prediction(against, db, calibration, as_json)
         return
     from ddlscope.predict import predict
@@ -196,9 +191,9 @@ def plan_command(
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
     sustained_fraction: SustainedOpt = None,
-    as_json: JsonOpt = False,
-    calibration: CalibrationOpt = None,
-    db: DbOpt = Path("ddlscope.db"),
+    as_json: JsonOption = False,
+    calibration: PlanCalibrationOpt = None,
+    db: PlanDbOpt = DEFAULT_DB,
 ) -> None:
     """Search every valid TP x PP x DP x micro-batch x ZeRO x recompute x SP x interleave config; rank those that fit."""
     from ddlscope.predict.planner import plan
@@ -228,17 +223,6 @@ def plan_command(
 
 
 # ---------------------------------------------------------------------------- input
-def cluster_from_text(text: str, calibration: Optional[Path], db: Path):
-    """A catalogue cluster, or `local:1xN` from this machine's calibration."""
-    from ddlscope.predict.catalogue import LOCAL, cluster_name, parse_cluster
-
-    if cluster_name(str(text)) == LOCAL:
-        from ddlscope.cli_calibrate import this_machine_profile
-
-        return parse_cluster(str(text), local_profile=this_machine_profile(calibration, db))
-    return parse_cluster(str(text))
-
-
 def _stack_cluster(cluster: Any, flag: Optional[float], raw: dict[str, Any]):
     """The cluster with the flag's (else the config file's) sustained_fraction, when one is given."""
     value = flag if flag is not None else raw.get("sustained_fraction")
@@ -342,6 +326,75 @@ def _int(value: Any, name: str, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{name} = {value}: must be >= {minimum}")
     return value
+
+
+# ---------------------------------------------------------------------------- predict-run
+def predict_run(
+    run_ref: RunArg,
+    calibration: Annotated[Optional[Path], typer.Option(
+        "--calibration", help="Profile TOML from `ddlscope calibrate` (default: the newest in the store for the "
+                              "run's host, else ./ddlscope-calibration.toml).")] = None,
+    db: DbOption = DEFAULT_DB,
+    as_json: JsonOption = False,
+) -> None:
+    """Predict a stored local run from its config and this machine's calibration; compare with what it measured."""
+    print_run_prediction(run_ref, db, calibration, as_json)
+
+
+def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_json: bool) -> None:
+    """`predict-run RUN` and `predict --against RUN`: predicted next to measured."""
+    result = predict_stored_run(run_ref, db, calibration)
+    if as_json:
+        print(json.dumps(result, default=str))
+        return
+    console.print(prediction_table(result))
+    for note in result["predicted"]["notes"]:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict[str, Any]:
+    """Prediction, measurement and errors for one stored run (the logic behind `predict-run`)."""
+    from ddlscope.analysis.summary import summarize
+    from ddlscope.calibrate import workload_facts
+    from ddlscope.predict.local import compare, measured_from_summary, predict_local
+
+    require_store(db)
+    with Store(db) as store:
+        run = store.get_run(run_ref)
+        summary = summarize(store, run).to_dict()
+        profile, source = resolve_calibration(store, calibration, run.host)
+    facts = workload_facts(run.config)
+    predicted = predict_local(run.config, run.environment, facts, profile)
+    measured = measured_from_summary(summary)
+    return {"run": {"id": run.id, "name": run.name, "workload": run.workload, "strategy": run.strategy,
+                    "world_size": run.world_size, "network": run.environment.get("network", {}).get("profile")},
+            "calibration": source,
+            "predicted": predicted, "measured": measured, "error": compare(predicted, measured)}
+
+
+def prediction_table(result: dict[str, Any]) -> Table:
+    p, m = result["predicted"], result["measured"]
+    r = result["run"]
+    table = Table("", "predicted", "measured", "error",
+                  title=f"run {r['id']}: {r['strategy']} x{r['world_size']} {r['workload']} (network {r['network']})",
+                  caption=f"machine profile: {result.get('calibration', '-')}")
+
+    def ms(v: float | None) -> str:
+        return f"{v * 1e3:.3f} ms" if v is not None else "-"
+
+    def err(a: float | None, b: float | None) -> str:
+        return f"{(a - b) / b * 100:+.1f}%" if a is not None and b else "-"
+
+    table.add_row("step", ms(p["step_s"]), ms(m["step_s"]), err(p["step_s"], m["step_s"]))
+    for phase, value in p["breakdown_s"].items():
+        measured = m["breakdown_s"].get(phase)
+        table.add_row(f"  {phase}", ms(value), ms(measured), err(value, measured))
+    for cat, value in p["memory_bytes"]["worker"].items():
+        measured = m["memory_bytes"].get(cat)
+        table.add_row(f"{cat} bytes", str(value), str(measured), err(value, measured))
+    table.add_row("model states bytes", str(p["model_state_bytes"]), str(m["model_state_bytes"]),
+                  err(p["model_state_bytes"], m["model_state_bytes"]))
+    return table
 
 
 # ---------------------------------------------------------------------------- output

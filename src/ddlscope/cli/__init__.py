@@ -1,0 +1,53 @@
+"""The `ddlscope` command line: the typer app and its entry point.
+
+Each command lives in the module of its group (run, study, catalogue, slurm, report, predict, advise,
+calibrate); what groups share (consoles, --db, --json, the one-line user-error path) is in `common`.
+This module only puts the commands on the app, in the order `ddlscope --help` lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from ddlscope.cli import advise, calibrate, catalogue, predict, report, run, slurm, study
+from ddlscope.cli.common import run_app
+
+__all__ = ["COMMANDS", "app", "main"]
+
+app = typer.Typer(
+    help="ddlscope: run, measure, explain and predict distributed deep-learning training strategies.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+# (name, function): the measuring commands first, then the predicting ones.
+COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("run", run.run),
+    ("runs", run.runs),
+    ("show", run.show),
+    ("export", run.export),
+    ("trace", run.trace),
+    ("study", study.study),
+    ("studies", study.studies),
+    ("scaling", run.scaling),
+    ("strategies", catalogue.strategies),
+    ("workloads", catalogue.workloads),
+    ("slurm", slurm.slurm),
+    ("report", report.report),
+    ("predict", predict.predict_command),
+    ("plan", predict.plan_command),
+    ("advise", advise.advise_command),
+    ("calibrate", calibrate.calibrate),
+    ("predict-run", predict.predict_run),
+)
+for name, command in COMMANDS:
+    app.command(name)(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry: user errors become one line on stderr and exit status 2."""
+    return run_app(app, argv)  # reads `app` now, so that a test may swap it

@@ -1,0 +1,140 @@
+"""What every command module shares, defined once: the consoles, the --db and --json options, the
+one-line user-error path, and the helpers more than one command group needs.
+
+Command modules import from here and never from each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+from ddlscope.specs import ConfigError
+from ddlscope.store import DEFAULT_DB, Store, StoreError
+
+__all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "cluster_from_text", "console", "db_option",
+           "err_console", "json_option", "open_store", "print_error", "require_store", "resolve_calibration", "run_app",
+           "this_machine_profile", "wide_when_piped"]
+
+# The CLI's two consoles: results on stdout, notes and errors on stderr.
+console = Console()
+err_console = Console(stderr=True)
+
+
+# ---------------------------------------------------------------------------- shared options
+def db_option(help: str = "SQLite store holding runs and their rows.") -> Any:
+    """The --db option; a command says in `help` what it reads or keeps there."""
+    return typer.Option("--db", help=help)
+
+
+def json_option(help: str = "Print one JSON object.") -> Any:
+    """The --json flag; a command may say in `help` what the object holds."""
+    return typer.Option("--json", help=help)
+
+
+DbOption = Annotated[Path, db_option()]
+JsonOption = Annotated[bool, json_option()]
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")]
+
+
+# ---------------------------------------------------------------------------- user errors
+class UserError(Exception):
+    """Bad input from the user: one line on stderr, exit status 2."""
+
+
+def require_store(db: Path) -> None:
+    """Refuse a missing store: reading commands must not create an empty one from a typo in --db."""
+    if not db.exists():
+        raise UserError(f"no store at {db} (run `ddlscope run` first, or pass --db)")
+
+
+def open_store(db: Path) -> Store:
+    """The existing store at `db`."""
+    require_store(db)
+    return Store(db)
+
+
+def print_error(message: str) -> None:
+    """One line on stderr; markup off, so that brackets in a user's value print as typed."""
+    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+
+
+def run_app(app: typer.Typer, argv: list[str] | None) -> int:
+    """Run the typer app; user errors become one line on stderr and exit status 2, never a traceback."""
+    from typer.exceptions import TyperException
+
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name="ddlscope")
+    except (ConfigError, StoreError, UserError) as exc:
+        print_error(str(exc))
+        return 2
+    except TyperException as exc:  # usage errors: bad option, wrong type, missing argument
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        print_error(" ".join(message.split()))
+        return getattr(exc, "exit_code", 2) or 2
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        err_console.print("aborted")
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+# ---------------------------------------------------------------------------- output
+@contextmanager
+def wide_when_piped(width: int) -> Iterator[Console]:
+    """The stdout console, `width` columns wide while stdout is not a terminal: a wide table piped to a
+    file or a program then keeps one line per row instead of wrapping at 80. A terminal keeps its width."""
+    if console.is_terminal:
+        yield console
+        return
+    saved = console._width  # rich has no public way back to "width from COLUMNS or the terminal"
+    console.width = width
+    try:
+        yield console
+    finally:
+        console._width = saved
+
+
+# ---------------------------------------------------------------------------- clusters and calibrations
+def cluster_from_text(text: str, calibration: Optional[Path], db: Path) -> Any:
+    """A catalogue cluster, or `local:1xN` from this machine's calibration (predict, plan and advise)."""
+    from ddlscope.predict.catalogue import LOCAL, cluster_name, parse_cluster
+
+    if cluster_name(str(text)) == LOCAL:
+        return parse_cluster(str(text), local_profile=this_machine_profile(calibration, db))
+    return parse_cluster(str(text))
+
+
+def resolve_calibration(store: Store, calibration: Path | None, host: str) -> tuple[dict[str, Any], str]:
+    """The profile to predict with, and where it came from: --calibration FILE; else the newest
+    calibration in the store taken on the run's host; else ./ddlscope-calibration.toml."""
+    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile
+
+    if calibration is not None:
+        return load_profile(calibration), str(calibration)
+    stored = store.latest_calibration(host)
+    if stored is not None:
+        return stored[1], f"calibration {stored[0]} in {store.path}"
+    if DEFAULT_PROFILE.is_file():
+        return load_profile(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
+    raise ConfigError(f"no calibration of host {host!r} in {store.path} and no {DEFAULT_PROFILE}: "
+                      "run `ddlscope calibrate` first (or pass --calibration FILE)")
+
+
+def this_machine_profile(calibration: Path | None, db: Path) -> dict[str, Any]:
+    """The profile that `local:1xN` clusters describe: --calibration FILE, else the newest
+    calibration of this host in the store at `db` (when it exists), else ./ddlscope-calibration.toml."""
+    import socket
+
+    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile
+
+    if calibration is None and db.is_file():
+        with Store(db) as store:
+            return resolve_calibration(store, None, socket.gethostname())[0]
+    return load_profile(calibration or DEFAULT_PROFILE)
