@@ -41,10 +41,6 @@ NETWORKS: dict[str, dict[str, Any]] = {
     "slow": {"profile": "slow", "scaled": True},
 }
 STRAGGLER_SLOWDOWN = 2.0
-KNOBS: dict[str, dict[str, Any]] = {
-    "ssp": {"staleness": 2},
-    "ps-stale-aware": {"sync_every": 10},
-}
 QUICK_WORKERS = 2
 # The study's subjects, by their traits: the collective strategies (DDP, FSDP) and the
 # parameter-server architectures, simplest first.
@@ -60,7 +56,7 @@ def accuracy_cell(strategy: str, network: str, workers: str, world: int, variant
     raw = {
         "seed": seed,
         "workload": workload,
-        "strategy": {"name": strategy, **KNOBS.get(strategy, {})},
+        "strategy": {"name": strategy},  # each strategy with its spec's defaults
         "cluster": {"world_size": world, "network": NETWORKS[network], "slowdown": slowdown},
     }
     name = f"{strategy}+{variant}" if variant else strategy
