@@ -158,7 +158,7 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
 
 
 def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, monkeypatch):
-    from ddlscope.cli.common import resolve_calibration
+    from ddlscope.calibrate.profile import resolve_calibration
     from ddlscope.store import Store
 
     monkeypatch.chdir(tmp_path)  # no ./ddlscope-calibration.toml here

@@ -14,7 +14,7 @@ from conftest import SRC
 from ddlscope.calibrate import write_profile
 from ddlscope.predict.local import model_state_bytes, predict_local
 from ddlscope.specs import ConfigError
-from ddlscope.predict.machine import message_s
+from ddlscope.calibrate.model import message_s
 
 PROFILE = {
     "meta": {"cores": 8},
@@ -101,7 +101,7 @@ def test_predict_run_on_a_stored_ddp_run(tmp_path: Path):
 
 
 def test_message_time_interpolates_the_calibrated_table_and_ignores_spikes():
-    from ddlscope.predict.machine import measured_message_s
+    from ddlscope.calibrate.model import measured_message_s
 
     fit = {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9, "sizes": [1e3, 1e4, 1e5, 1e6],
            "seconds": [1e-4, 5e-3, 2e-4, 1.1e-3]}  # 5 ms at 10 kB: interference, not the link
@@ -114,7 +114,7 @@ def test_message_time_interpolates_the_calibrated_table_and_ignores_spikes():
 
 
 def test_sync_probe_interpolates_in_compute_time():
-    from ddlscope.predict.machine import sync_at
+    from ddlscope.calibrate.model import sync_at
 
     probe = {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.0, 1.6], "sync_overhead_s": [1e-3, 4e-3]}
     assert sync_at(probe, 0.001) == pytest.approx((1.0, 1e-3))
@@ -158,7 +158,7 @@ def test_server_update_passes_follow_the_server_loop():
 
 
 def test_linear_interpolation_extends_the_end_segments():
-    from ddlscope.predict.machine import interpolate_linear
+    from ddlscope.calibrate.model import interpolate_linear
 
     xs, ys = [1.0, 2.0, 4.0], [1.0, 3.0, 4.0]
     assert interpolate_linear(xs, ys, 1.5) == pytest.approx(2.0)
@@ -168,7 +168,7 @@ def test_linear_interpolation_extends_the_end_segments():
 
 
 def test_parameter_server_round_from_the_transport_probe():
-    from ddlscope.predict.machine import ps_round_s
+    from ddlscope.calibrate.model import ps_round_s
 
     probed = {**PROFILE, "ps": {"ws2": {"workers": 1, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3]},
                                 "ws4": {"workers": 3, "bytes": [1e4, 1e6], "round_s": [3e-4, 5e-3]}}}
@@ -184,7 +184,7 @@ def test_parameter_server_round_from_the_transport_probe():
 
 
 def test_parameter_server_round_and_stretch_with_compute_between_rounds():
-    from ddlscope.predict.machine import ps_compute_stretch, ps_round_s
+    from ddlscope.calibrate.model import ps_compute_stretch, ps_round_s
 
     probe = {"workers": 2, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3], "block_alone_s": [2e-3, 8e-3],
              "busy_round_s": [[2e-4, 2e-3], [4e-4, 4e-3]], "busy_block_s": [2.2e-3, 8.4e-3]}
@@ -216,7 +216,7 @@ def test_block_cyclic_async_exchanges_one_block_a_step():
 
 
 def test_server_rounds_share_the_cores_they_run_on():
-    from ddlscope.predict.machine import concurrent_rounds_slowdown, ps_round_s
+    from ddlscope.calibrate.model import concurrent_rounds_slowdown, ps_round_s
 
     # one server's round with 2 workers keeps 3 cores busy (2 on a 2-core machine)
     assert concurrent_rounds_slowdown(1, 2, 2) == 1.0

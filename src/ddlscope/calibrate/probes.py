@@ -267,7 +267,7 @@ def _sync_probe(repeats: int) -> dict[str, Any]:
     module docstring); the predictor interpolates in the step's compute time."""
     import torch.distributed as dist
 
-    from ddlscope.predict.machine import busy_period_s, oversubscription_of
+    from ddlscope.calibrate.model import busy_period_s, oversubscription_of
 
     world = dist.get_world_size()
     blocks = [_sync_block_probe(_matmul_block(target), max(10, 4 * repeats)) for target in SYNC_PROBE_BLOCKS_S]

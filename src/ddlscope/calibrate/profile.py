@@ -15,11 +15,15 @@ strings, bools and lists) and read with tomllib.
 from __future__ import annotations
 
 import json
+import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, StringConstraints, ValidationError
+
+from ddlscope.specs import ConfigError
+from ddlscope.store import Store
 
 DEFAULT_PROFILE = Path("ddlscope-calibration.toml")
 HEADER = "# ddlscope hardware profile (ddlscope calibrate)\n"
@@ -156,7 +160,6 @@ class CalibrationProfile(_Table):
     @classmethod
     def load(cls, path: Path) -> "CalibrationProfile":
         """Read and check a profile file; a missing, unreadable or ill-typed one is a one-line ConfigError."""
-        from ddlscope.specs import ConfigError
 
         if not path.is_file():
             raise ConfigError(f"calibration file {path} does not exist (run `ddlscope calibrate` first)")
@@ -213,3 +216,27 @@ def to_toml(data: dict[str, Any], prefix: str = "") -> str:
         sub = to_toml(v, f"{prefix}.{k}" if prefix else k)
         out += ("\n" if out else "") + sub
     return out
+
+
+# ---------------------------------------------------------------------------- which profile
+def resolve_calibration(store: Store, calibration: Path | None, host: str) -> tuple[dict[str, Any], str]:
+    """The profile to predict with, and where it came from: --calibration FILE; else the newest
+    calibration in the store taken on the run's host; else ./ddlscope-calibration.toml."""
+    if calibration is not None:
+        return load_profile(calibration), str(calibration)
+    stored = store.latest_calibration(host)
+    if stored is not None:
+        return stored[1], f"calibration {stored[0]} in {store.path}"
+    if DEFAULT_PROFILE.is_file():
+        return load_profile(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
+    raise ConfigError(f"no calibration of host {host!r} in {store.path} and no {DEFAULT_PROFILE}: "
+                      "run `ddlscope calibrate` first (or pass --calibration FILE)")
+
+
+def this_machine_profile(calibration: Path | None, db: Path) -> dict[str, Any]:
+    """The profile that `local:1xN` clusters describe: --calibration FILE, else the newest
+    calibration of this host in the store at `db` (when it exists), else ./ddlscope-calibration.toml."""
+    if calibration is None and db.is_file():
+        with Store(db) as store:
+            return resolve_calibration(store, None, socket.gethostname())[0]
+    return load_profile(calibration or DEFAULT_PROFILE)

@@ -18,8 +18,8 @@ from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB, Store, StoreError
 
 __all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "cluster_from_text", "console", "db_option",
-           "err_console", "json_option", "open_store", "print_error", "require_store", "resolve_calibration", "run_app",
-           "this_machine_profile", "wide_when_piped"]
+           "err_console", "json_option", "open_store", "print_error", "require_store", "run_app",
+           "wide_when_piped"]
 
 # The CLI's two consoles: results on stdout, notes and errors on stderr.
 console = Console()
@@ -106,35 +106,8 @@ def cluster_from_text(text: str, calibration: Optional[Path], db: Path) -> Any:
     """A catalogue cluster, or `local:1xN` from this machine's calibration (predict, plan and advise)."""
     from ddlscope.predict.catalogue import LOCAL, cluster_name, parse_cluster
 
+    from ddlscope.calibrate.profile import this_machine_profile
+
     if cluster_name(str(text)) == LOCAL:
         return parse_cluster(str(text), local_profile=this_machine_profile(calibration, db))
     return parse_cluster(str(text))
-
-
-def resolve_calibration(store: Store, calibration: Path | None, host: str) -> tuple[dict[str, Any], str]:
-    """The profile to predict with, and where it came from: --calibration FILE; else the newest
-    calibration in the store taken on the run's host; else ./ddlscope-calibration.toml."""
-    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile
-
-    if calibration is not None:
-        return load_profile(calibration), str(calibration)
-    stored = store.latest_calibration(host)
-    if stored is not None:
-        return stored[1], f"calibration {stored[0]} in {store.path}"
-    if DEFAULT_PROFILE.is_file():
-        return load_profile(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
-    raise ConfigError(f"no calibration of host {host!r} in {store.path} and no {DEFAULT_PROFILE}: "
-                      "run `ddlscope calibrate` first (or pass --calibration FILE)")
-
-
-def this_machine_profile(calibration: Path | None, db: Path) -> dict[str, Any]:
-    """The profile that `local:1xN` clusters describe: --calibration FILE, else the newest
-    calibration of this host in the store at `db` (when it exists), else ./ddlscope-calibration.toml."""
-    import socket
-
-    from ddlscope.calibrate import DEFAULT_PROFILE, load_profile
-
-    if calibration is None and db.is_file():
-        with Store(db) as store:
-            return resolve_calibration(store, None, socket.gethostname())[0]
-    return load_profile(calibration or DEFAULT_PROFILE)

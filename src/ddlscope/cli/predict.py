@@ -45,7 +45,7 @@ import typer
 from rich.table import Column, Table
 
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, JsonOption, RunArg, cluster_from_text, console, db_option,
-                                 require_store, resolve_calibration)
+                                 require_store)
 from ddlscope.specs import ConfigError
 from ddlscope.store import Store
 
@@ -356,6 +356,7 @@ def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict
     """Prediction, measurement and errors for one stored run (the logic behind `predict-run`)."""
     from ddlscope.analysis.summary import summarize
     from ddlscope.calibrate import workload_facts
+    from ddlscope.calibrate.profile import resolve_calibration
     from ddlscope.predict.local import compare, measured_from_summary, predict_local
 
     require_store(db)

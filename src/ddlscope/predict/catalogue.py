@@ -291,7 +291,7 @@ def local_cluster(profile: dict[str, Any], nodes: int, ranks: int) -> Cluster:
 
 
 def _loopback_link(profile: dict[str, Any], ranks: int) -> Link:
-    from ddlscope.predict.machine import nearest_world
+    from ddlscope.calibrate.model import nearest_world
 
     tables = profile.get("collectives") or {}
     if not tables:

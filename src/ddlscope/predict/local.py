@@ -59,7 +59,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddlscope.predict.estimators import LocalCase, LocalStep, estimator_for
-from ddlscope.predict.machine import (
+from ddlscope.calibrate.model import (
     OPS_PER_PARAM_OPTIMIZER, STATE_TENSORS, busy_period_s, emulated_link, gemm_time_s, machine_probe,
     optimizer_kind, oversubscription_of, sync_at)
 from pydantic import ValidationError

@@ -1,7 +1,7 @@
 """Bytes one collective puts on one rank's link, as a multiple of its payload.
 
 Ring algorithms (Patarasuk & Yuan): the network emulation (strategies/comm.py)
-waits for these bytes and the local predictor (predict/machine.py) prices
+waits for these bytes and the local predictor (calibrate/model.py) prices
 them, so both read this one table.
 """
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ddlscope.predict.catalogue import Cluster
-from ddlscope.predict.machine import STATE_TENSORS
+from ddlscope.calibrate.model import STATE_TENSORS
 from ddlscope.predict.strategies import ServerSpec, StrategyEstimate, Workload
 from ddlscope.specs import StrategySpec
 

@@ -7,7 +7,7 @@ import math
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
-from ddlscope.predict.machine import emulated_s, interpolate_linear, machine_probe, message_s
+from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s
 from ddlscope.specs.strategies.ddp import DDPSpec
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
-from ddlscope.predict.machine import emulated_s, interpolate_linear, machine_probe, message_s, shard_bytes
+from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, shard_bytes
 from ddlscope.specs.strategies.fsdp import FSDPSpec
 
 

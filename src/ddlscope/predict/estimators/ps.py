@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
-from ddlscope.predict.machine import STATE_TENSORS, concurrent_rounds_slowdown, ps_compute_stretch, ps_round_s
+from ddlscope.calibrate.model import STATE_TENSORS, concurrent_rounds_slowdown, ps_compute_stretch, ps_round_s
 from ddlscope.specs.strategies.ps import PSAsyncSpec, PSSpec, PSSyncSpec, SSPSpec, StaleAwareSpec
 
 

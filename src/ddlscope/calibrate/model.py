@@ -1,10 +1,11 @@
-"""This machine as `ddlscope calibrate` measured it: the pieces every local estimator prices with.
+"""The local machine model: this machine as `ddlscope calibrate` measured it, for every local estimate.
 
-Torch-free. A calibration profile (a dict, as the TOML file holds it) gives
+Torch-free. A calibration profile (as calibrate/profile.py reads it) gives
 gloo's message times by size and world size, the compute rates, and the
 probes of whole DDP/FSDP steps, of the synchronisation between ranks and of
 a parameter server's rounds; these functions read them. The per-strategy
-use of them is in predict/estimators/, the step assembly in predict/local.py.
+use of them is in predict/estimators/, the step assembly in predict/local.py,
+and `local:1xN` clusters in predict/catalogue.py (local_cluster).
 """
 
 from __future__ import annotations
