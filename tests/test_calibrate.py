@@ -170,12 +170,12 @@ def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, m
                                    "collectives": {"ws2": {}, "ws4": {}}})
         store.add_calibration({"meta": {"host": "other"}, "compute": {"peak_flops": 3.0}, "collectives": {}})
         profile, source = resolve_calibration(store, None, "h")
-        assert profile["compute"]["peak_flops"] == 2.0 and source.startswith("calibration 2 in")
+        assert profile.compute.peak_flops == 2.0 and source.startswith("calibration 2 in")
         assert store.conn.execute("SELECT world_sizes FROM calibrations WHERE id=2").fetchone()[0] == "2,4"
         explicit = tmp_path / "p.toml"
         write_profile({"meta": {"host": "h"}, "compute": {"peak_flops": 9.0},
                        "collectives": {"ws2": {"p2p": {"alpha_s": 1e-4}}}}, explicit)
-        assert resolve_calibration(store, explicit, "h")[0]["compute"]["peak_flops"] == 9.0
+        assert resolve_calibration(store, explicit, "h")[0].compute.peak_flops == 9.0
 
 
 @pytest.mark.multiprocess

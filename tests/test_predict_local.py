@@ -15,6 +15,7 @@ from ddlscope.calibrate import write_profile
 from ddlscope.predict.local import model_state_bytes, predict_local
 from ddlscope.specs import ConfigError
 from ddlscope.calibrate.model import message_s
+from ddlscope.calibrate.profile import CalibrationProfile, CollectiveFit, SyncProbe
 
 PROFILE = {
     "meta": {"cores": 8},
@@ -29,6 +30,10 @@ FACTS = {"flops": 10**9, "ops": 100, "param_numel": [4096, 64, 640, 10], "param_
          "optimizer": "sgd", "momentum": 0.0, "per_rank_batch": 32}
 
 
+def typed(profile: dict) -> CalibrationProfile:
+    return CalibrationProfile.coerce(profile)
+
+
 def _config(strategy: str, world: int = 2, **extra) -> dict:
     return {"workload": {"name": "mlp-digits", "optimizer": "sgd"}, "strategy": {"name": strategy, **extra},
             "cluster": {"world_size": world}}
@@ -41,9 +46,9 @@ def test_predict_package_stays_torch_free():
 
 
 def test_emulated_link_sets_the_floor():
-    fast = message_s(PROFILE, "all_reduce", 1e6, 2, None)
+    fast = message_s(typed(PROFILE), "all_reduce", 1e6, 2, None)
     assert fast == pytest.approx(1e-4 + 1e6 / 1e9)
-    slow = message_s(PROFILE, "all_reduce", 1e6, 2, (50e-6, 1e7))  # wire bytes = payload at 2 ranks
+    slow = message_s(typed(PROFILE), "all_reduce", 1e6, 2, (50e-6, 1e7))  # wire bytes = payload at 2 ranks
     assert slow == pytest.approx(50e-6 + 1e6 / 1e7)
 
 
@@ -103,24 +108,24 @@ def test_predict_run_on_a_stored_ddp_run(tmp_path: Path):
 def test_message_time_interpolates_the_calibrated_table_and_ignores_spikes():
     from ddlscope.calibrate.model import measured_message_s
 
-    fit = {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9, "sizes": [1e3, 1e4, 1e5, 1e6],
-           "seconds": [1e-4, 5e-3, 2e-4, 1.1e-3]}  # 5 ms at 10 kB: interference, not the link
+    fit = CollectiveFit(alpha_s=1e-4, beta_bytes_per_s=1e9, sizes=[1e3, 1e4, 1e5, 1e6],
+                        seconds=[1e-4, 5e-3, 2e-4, 1.1e-3])  # 5 ms at 10 kB: interference, not the link
     assert measured_message_s(fit, 1e3) == pytest.approx(1e-4)
     assert measured_message_s(fit, 1e4) == pytest.approx(2e-4)  # the lower envelope
     between = measured_message_s(fit, 3.16e5)
     assert 2e-4 < between < 1.1e-3
     assert measured_message_s(fit, 2e6) == pytest.approx(1.1e-3 + 1e6 / 1e9)  # the fit's slope beyond
-    assert measured_message_s({"alpha_s": 1e-4, "beta_bytes_per_s": 1e9}, 1e6) == pytest.approx(1.1e-3)
+    assert measured_message_s(CollectiveFit(alpha_s=1e-4, beta_bytes_per_s=1e9), 1e6) == pytest.approx(1.1e-3)
 
 
 def test_sync_probe_interpolates_in_compute_time():
     from ddlscope.calibrate.model import sync_at
 
-    probe = {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.0, 1.6], "sync_overhead_s": [1e-3, 4e-3]}
+    probe = SyncProbe(block_alone_s=[0.002, 0.008], compute_stretch=[1.0, 1.6], sync_overhead_s=[1e-3, 4e-3])
     assert sync_at(probe, 0.001) == pytest.approx((1.0, 1e-3))
     assert sync_at(probe, 0.005) == pytest.approx((1.3, 2.5e-3))
     assert sync_at(probe, 0.1) == pytest.approx((1.6, 4e-3))
-    assert sync_at({}, 0.005) == (1.0, 0.0)
+    assert sync_at(None, 0.005) == (1.0, 0.0)  # an older profile, without the probe
 
 
 def test_probes_enter_the_prediction():
@@ -172,12 +177,12 @@ def test_parameter_server_round_from_the_transport_probe():
 
     probed = {**PROFILE, "ps": {"ws2": {"workers": 1, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3]},
                                 "ws4": {"workers": 3, "bytes": [1e4, 1e6], "round_s": [3e-4, 5e-3]}}}
-    assert ps_round_s(probed, 1, 1e6, None) == pytest.approx(1e-3)
-    assert ps_round_s(probed, 2, 1e6, None) == pytest.approx(3e-3)  # between 1 and 3 workers
-    assert ps_round_s(probed, 4, 1e6, None) == pytest.approx(7e-3)  # the last slope beyond
-    assert ps_round_s(probed, 2, 1e6, (1e-3, 1e7)) == pytest.approx(4 * (1e-3 + 0.1))  # the link is slower
+    assert ps_round_s(typed(probed), 1, 1e6, None) == pytest.approx(1e-3)
+    assert ps_round_s(typed(probed), 2, 1e6, None) == pytest.approx(3e-3)  # between 1 and 3 workers
+    assert ps_round_s(typed(probed), 4, 1e6, None) == pytest.approx(7e-3)  # the last slope beyond
+    assert ps_round_s(typed(probed), 2, 1e6, (1e-3, 1e7)) == pytest.approx(4 * (1e-3 + 0.1))  # the link is slower
     # without a probe: every message in turn from the two-rank table
-    assert ps_round_s(PROFILE, 2, 1e6, None) == pytest.approx(4 * (2e-4 + 1e6 / 1e9))
+    assert ps_round_s(typed(PROFILE), 2, 1e6, None) == pytest.approx(4 * (2e-4 + 1e6 / 1e9))
     sync = predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, probed)
     plain = predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, PROFILE)
     assert sync["breakdown_s"]["comm_wait_s"] != plain["breakdown_s"]["comm_wait_s"]
@@ -189,13 +194,13 @@ def test_parameter_server_round_and_stretch_with_compute_between_rounds():
     probe = {"workers": 2, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3], "block_alone_s": [2e-3, 8e-3],
              "busy_round_s": [[2e-4, 2e-3], [4e-4, 4e-3]], "busy_block_s": [2.2e-3, 8.4e-3]}
     probed = {**PROFILE, "ps": {"ws3": probe}}
-    assert ps_round_s(probed, 2, 1e6, None) == pytest.approx(1e-3)  # no compute given: back to back
-    assert ps_round_s(probed, 2, 1e6, None, 1e-3) == pytest.approx(1.5e-3)  # halfway to the first block
-    assert ps_round_s(probed, 2, 1e6, None, 5e-3) == pytest.approx(3e-3)  # between the two blocks
-    assert ps_round_s(probed, 2, 1e6, None, 0.1) == pytest.approx(4e-3)  # held beyond the longer block
-    assert ps_compute_stretch(probed, 2, 2e-3) == pytest.approx(1.1)
-    assert ps_compute_stretch(probed, 2, 0.1) == pytest.approx(1.05)
-    assert ps_compute_stretch(PROFILE, 2, 2e-3) is None  # an older profile: the synchronisation probe's
+    assert ps_round_s(typed(probed), 2, 1e6, None) == pytest.approx(1e-3)  # no compute given: back to back
+    assert ps_round_s(typed(probed), 2, 1e6, None, 1e-3) == pytest.approx(1.5e-3)  # halfway to the first block
+    assert ps_round_s(typed(probed), 2, 1e6, None, 5e-3) == pytest.approx(3e-3)  # between the two blocks
+    assert ps_round_s(typed(probed), 2, 1e6, None, 0.1) == pytest.approx(4e-3)  # held beyond the longer block
+    assert ps_compute_stretch(typed(probed), 2, 2e-3) == pytest.approx(1.1)
+    assert ps_compute_stretch(typed(probed), 2, 0.1) == pytest.approx(1.05)
+    assert ps_compute_stretch(typed(PROFILE), 2, 2e-3) is None  # an older profile: the synchronisation probe's
     # With the probe, a PS worker's wait for the others is inside its rounds: no separate sync overhead.
     assert predict_local(_config("ps-sync", 2, servers=1), {}, FACTS, probed)["sync_overhead_s"] == 0.0
 
@@ -226,8 +231,8 @@ def test_server_rounds_share_the_cores_they_run_on():
     assert concurrent_rounds_slowdown(4, 2, 8) == pytest.approx(1.5)
     # the stretch is CPU work: an emulated link's waiting is not stretched
     probed = {**PROFILE, "ps": {"ws3": {"workers": 2, "bytes": [1e4, 1e6], "round_s": [1e-4, 1e-3]}}}
-    assert ps_round_s(probed, 2, 1e6, None, cpu_slowdown=2.0) == pytest.approx(2e-3)
-    assert ps_round_s(probed, 2, 1e6, (1e-3, 1e7), cpu_slowdown=2.0) == pytest.approx(4 * (1e-3 + 0.1))
+    assert ps_round_s(typed(probed), 2, 1e6, None, cpu_slowdown=2.0) == pytest.approx(2e-3)
+    assert ps_round_s(typed(probed), 2, 1e6, (1e-3, 1e7), cpu_slowdown=2.0) == pytest.approx(4 * (1e-3 + 0.1))
     # two servers on 2 cores: each round carries half the bytes, but they take turns for the cores
     two_cores = {**probed, "meta": {"cores": 2}}
     facts = {**FACTS, "param_bytes": 2e6}
@@ -250,3 +255,12 @@ def test_turn_taking_for_cores_is_inside_the_ddp_probe():
     # parameter-server workers keep it: their probe times rounds, not whole steps
     assert any("waits its turn" in n for n in predict_local(_config("ps-sync", 4, servers=1), {}, FACTS,
                                                             probed)["notes"])
+
+
+def test_an_incomplete_or_ill_typed_calibration_is_one_line():
+    partial = {**PROFILE, "compute": {k: v for k, v in PROFILE["compute"].items() if k != "op_overhead_s"}}
+    with pytest.raises(ConfigError, match=r"^the calibration has no op_overhead_s: rerun `ddlscope calibrate`$"):
+        predict_local(_config("ddp"), {}, FACTS, partial)
+    wrong = {**PROFILE, "meta": {"cores": "two"}}
+    with pytest.raises(ConfigError, match=r"^the calibration: meta.cores: "):
+        predict_local(_config("ddp"), {}, FACTS, wrong)

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ddlscope.specs.wire import wire_bytes
+from ddlscope.calibrate.profile import CalibrationProfile, CollectiveFit, Compute, ServerProbe, SyncProbe
 from ddlscope.specs import ConfigError
+from ddlscope.specs.wire import wire_bytes
 
 OPS_PER_PARAM_OPTIMIZER = {"sgd": 2, "sgd-momentum": 4, "adamw": 12}
 STATE_TENSORS = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
@@ -28,27 +29,35 @@ def optimizer_kind(facts: dict[str, Any]) -> str:
     return "sgd-momentum" if facts.get("momentum", 0.0) > 0 else "sgd"
 
 
+def required(value: float | list[Any] | None, what: str) -> Any:
+    """A figure the model cannot do without; an older or partial calibration says so in one line."""
+    if value is None:
+        raise ConfigError(f"the calibration has no {what}: rerun `ddlscope calibrate`")
+    return value
+
+
 def nearest_world(tables: dict[str, Any], ranks: int) -> str:
     """The key ("wsN") of the calibrated world size nearest `ranks` (the larger on a tie)."""
     sizes = sorted(int(k.removeprefix("ws")) for k in tables)
     return f"ws{min(sizes, key=lambda s: (abs(s - ranks), -s))}"
 
 
-def collective_fit(profile: dict[str, Any], kind: str, ranks: int) -> dict[str, Any]:
+def collective_fit(profile: CalibrationProfile, kind: str, ranks: int) -> CollectiveFit:
     """The calibrated entry for `kind` at `ranks` members: that world size or the nearest calibrated."""
-    tables = profile["collectives"]
+    tables = profile.collectives
     if not tables:
         raise ConfigError("the calibration has no collective measurements")
     if kind == "p2p" and "ws2" in tables:
         ranks = 2
-    return tables[nearest_world(tables, ranks)][kind]
+    key = nearest_world(tables, ranks)
+    return required(tables[key].get(kind), f"{kind} measurement at {key}")
 
 
-def measured_message_s(fit: dict[str, Any], payload_bytes: float) -> float:
+def measured_message_s(fit: CollectiveFit, payload_bytes: float) -> float:
     """Typical gloo time of one message: log-log interpolation in the calibrated table, the
     alpha-beta fit's slope beyond its largest size, the fit alone when there is no table."""
-    alpha, beta = float(fit["alpha_s"]), float(fit["beta_bytes_per_s"])
-    sizes, seconds = fit.get("sizes"), fit.get("seconds")
+    alpha, beta = float(required(fit.alpha_s, "alpha_s")), float(required(fit.beta_bytes_per_s, "beta_bytes_per_s"))
+    sizes, seconds = fit.sizes, fit.seconds
     if not sizes or not seconds or len(sizes) != len(seconds):
         return alpha + payload_bytes / beta
     # A larger message is never faster: a median above a larger size's is interference, so take
@@ -68,17 +77,18 @@ def emulated_s(link: tuple[float, float], kind: str, payload_bytes: float, ranks
     return link[0] + wire_bytes(kind, payload_bytes, ranks) / link[1]
 
 
-def message_s(profile: dict[str, Any], kind: str, payload_bytes: float, ranks: int,
+def message_s(profile: CalibrationProfile, kind: str, payload_bytes: float, ranks: int,
               link: tuple[float, float] | None) -> float:
     """One message's time: calibrated gloo time, or the emulated link's if that is longer."""
     measured = measured_message_s(collective_fit(profile, kind, ranks), payload_bytes)
     return measured if link is None else max(measured, emulated_s(link, kind, payload_bytes, ranks))
 
 
-def machine_probe(profile: dict[str, Any], section: str, ranks: int) -> dict[str, Any]:
-    """A calibrated probe (sync, ddp, fsdp) at `ranks` (the nearest world size), {} for an older profile."""
-    tables = profile.get(section) or {}
-    return tables[nearest_world(tables, ranks)] if tables else {}
+def machine_probe(profile: CalibrationProfile, section: str, ranks: int) -> Any:
+    """A calibrated probe (sync, ddp, fsdp, ps) at `ranks` (the nearest world size), None for a profile
+    without it (an older calibration)."""
+    tables = getattr(profile, section) or {}
+    return tables[nearest_world(tables, ranks)] if tables else None
 
 
 def between_blocks(blocks: list[float], values: list[float], alone_s: float) -> float:
@@ -87,19 +97,20 @@ def between_blocks(blocks: list[float], values: list[float], alone_s: float) -> 
     return interpolate_linear(list(blocks), list(values), min(max(alone_s, blocks[0]), blocks[-1]))
 
 
-def sync_at(sync: dict[str, Any], alone_s: float) -> tuple[float, float]:
+def sync_at(sync: SyncProbe | None, alone_s: float) -> tuple[float, float]:
     """(compute_stretch, sync_overhead_s) for a step of `alone_s` compute: linear between the probe's
     two block lengths, held at the nearer one outside them; (1, 0) without a probe."""
-    if not sync:
+    if sync is None:
         return 1.0, 0.0
-    blocks = sync["block_alone_s"]
-    return (between_blocks(blocks, sync["compute_stretch"], alone_s),
-            between_blocks(blocks, sync["sync_overhead_s"], alone_s))
+    blocks = required(sync.block_alone_s, "sync block_alone_s")
+    return (between_blocks(blocks, required(sync.compute_stretch, "sync compute_stretch"), alone_s),
+            between_blocks(blocks, required(sync.sync_overhead_s, "sync sync_overhead_s"), alone_s))
 
 
-def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
+def matmul_flops_at(compute: Compute, size: float) -> float:
     """Calibrated fp32 FLOP/s of a matmul of effective square size `size` (log-linear between sizes)."""
-    sizes, rates = compute["matmul"]["sizes"], compute["matmul"]["flops"]
+    matmul = required(compute.matmul, "matmul")
+    sizes, rates = required(matmul.sizes, "matmul sizes"), required(matmul.flops, "matmul flops")
     if size <= sizes[0]:  # below the smallest size measured: per-call overhead dominates, rate ~ size
         return float(rates[0]) * max(size / sizes[0], 0.05)
     if size >= sizes[-1]:
@@ -111,11 +122,12 @@ def matmul_flops_at(compute: dict[str, Any], size: float) -> float:
     return float(rates[-1])
 
 
-def gemm_time_s(facts: dict[str, Any], compute: dict[str, Any]) -> float:
+def gemm_time_s(facts: dict[str, Any], compute: Compute) -> float:
     """FLOPs / calibrated FLOP/s: each matmul at the rate of its size, the rest at the matmul peak."""
     gemm_flops, gemm_size = facts.get("gemm_flops", []), facts.get("gemm_size", [])
-    peak = float(compute["matmul"]["peak_flops"])
-    if "sizes" not in compute["matmul"] or not gemm_flops:
+    matmul = required(compute.matmul, "matmul")
+    peak = float(required(matmul.peak_flops, "matmul peak_flops"))
+    if matmul.sizes is None or not gemm_flops:
         return facts["flops"] / peak
     t = sum(f / matmul_flops_at(compute, n) for f, n in zip(gemm_flops, gemm_size))
     return t + max(0.0, facts["flops"] - sum(gemm_flops)) / peak
@@ -139,7 +151,7 @@ def shard_bytes(facts: dict[str, Any], world: int) -> int:
     return total
 
 
-def ps_round_s(profile: dict[str, Any], workers: float, payload_bytes: float,
+def ps_round_s(profile: CalibrationProfile, workers: float, payload_bytes: float,
                link: tuple[float, float] | None, compute_s: float | None = None,
                cpu_slowdown: float = 1.0) -> float:
     """One server's round: every worker pushes a header and `payload_bytes`, the server answers each.
@@ -152,9 +164,10 @@ def ps_round_s(profile: dict[str, Any], workers: float, payload_bytes: float,
     cores); an emulated link's time is waiting, not CPU work, and is not stretched: with it the round
     takes at least the link's time for every push and answer in turn.
     """
-    probes = profile.get("ps") or {}
+    probes = profile.ps or {}
     if probes:
-        by_workers = sorted((int(p["workers"]), _probed_round_s(p, payload_bytes, compute_s)) for p in probes.values())
+        by_workers = sorted((int(required(p.workers, "ps workers")), _probed_round_s(p, payload_bytes, compute_s))
+                            for p in probes.values())
         measured = interpolate_linear([w for w, _ in by_workers], [t for _, t in by_workers], workers)
     else:
         one_way = message_s(profile, "p2p", payload_bytes, 2, None) + message_s(profile, "p2p", 0.0, 2, None)
@@ -165,22 +178,24 @@ def ps_round_s(profile: dict[str, Any], workers: float, payload_bytes: float,
     return max(measured, 2 * workers * emulated_s(link, "p2p", payload_bytes, 2))
 
 
-def _probed_round_s(probe: dict[str, Any], payload_bytes: float, compute_s: float | None) -> float:
-    idle_s = interpolate_linear(probe["bytes"], probe["round_s"], payload_bytes)
-    if compute_s is None or "busy_round_s" not in probe:
+def _probed_round_s(probe: ServerProbe, payload_bytes: float, compute_s: float | None) -> float:
+    sizes = required(probe.bytes, "ps bytes")
+    idle_s = interpolate_linear(sizes, required(probe.round_s, "ps round_s"), payload_bytes)
+    if compute_s is None or probe.busy_round_s is None:
         return idle_s
-    rounds = [idle_s] + [interpolate_linear(probe["bytes"], busy, payload_bytes) for busy in probe["busy_round_s"]]
-    return between_blocks([0.0, *probe["block_alone_s"]], rounds, compute_s)
+    rounds = [idle_s] + [interpolate_linear(sizes, busy, payload_bytes) for busy in probe.busy_round_s]
+    return between_blocks([0.0, *required(probe.block_alone_s, "ps block_alone_s")], rounds, compute_s)
 
 
-def ps_compute_stretch(profile: dict[str, Any], workers: int, alone_s: float) -> float | None:
+def ps_compute_stretch(profile: CalibrationProfile, workers: int, alone_s: float) -> float | None:
     """How much a PS worker's compute stretches beside the others' and the server's exchanges (the
     transport probe with compute, at the calibrated world size nearest workers + 1); None without."""
     probe = machine_probe(profile, "ps", workers + 1)
-    if "busy_block_s" not in probe:
+    if probe is None or probe.busy_block_s is None:
         return None
-    stretch = [busy / alone for busy, alone in zip(probe["busy_block_s"], probe["block_alone_s"])]
-    return between_blocks(probe["block_alone_s"], stretch, alone_s)
+    blocks = required(probe.block_alone_s, "ps block_alone_s")
+    stretch = [busy / alone for busy, alone in zip(probe.busy_block_s, blocks)]
+    return between_blocks(blocks, stretch, alone_s)
 
 
 def concurrent_rounds_slowdown(rounds: int, clients: float, cores: int) -> float:

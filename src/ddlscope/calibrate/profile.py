@@ -4,9 +4,11 @@
 the names: `_s`, `_bytes`, `_per_s`). Each table keeps the keys it does not
 declare, every field is optional but `compute` and `collectives`, and numbers
 stay the int or float they were written as, so any profile an older ddlscope
-wrote still loads, and `as_dict()` gives back exactly the dict that was read:
-the local predictor (predict/local.py) and `local:1xN` clusters read that
-dict. Per-world-size tables are keyed `ws<N>` (N ranks).
+wrote still loads, and `as_dict()` gives back exactly the dict that was read.
+The local machine model (calibrate/model.py), the local predictor and
+`local:1xN` clusters read the typed profile; a figure they need and an older
+profile lacks is one line naming it. Per-world-size tables are keyed `ws<N>`
+(N ranks).
 
 The file is TOML, written by the small writer below (nested tables of numbers,
 strings, bools and lists) and read with tomllib.
@@ -154,6 +156,18 @@ class CalibrationProfile(_Table):
         keys and values; declared keys come in the declared order (calibrate's), then the others."""
         return self.model_dump(exclude_unset=True)
 
+    @classmethod
+    def coerce(cls, profile: "CalibrationProfile | Mapping[str, Any]", source: str = "the calibration"
+               ) -> "CalibrationProfile":
+        """A typed profile from a typed one or from its dict (a test's, the store's); an ill-typed
+        one is a one-line ConfigError."""
+        if isinstance(profile, CalibrationProfile):
+            return profile
+        try:
+            return cls.model_validate(dict(profile))
+        except ValidationError as exc:
+            raise ConfigError(f"{source}: {_first_error(exc)}") from None
+
     def write(self, path: Path) -> None:
         write_profile(self.as_dict(), path)
 
@@ -169,12 +183,12 @@ class CalibrationProfile(_Table):
             raise ConfigError(f"calibration file {path} is not valid TOML: {exc}") from None
         if "compute" not in raw or "collectives" not in raw:
             raise ConfigError(f"calibration file {path} has no [compute] / [collectives] tables")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            where = ".".join(str(part) for part in error["loc"])
-            raise ConfigError(f"calibration file {path}: {where}: {error['msg']}") from None
+        return cls.coerce(raw, f"calibration file {path}")
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    return f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
 
 
 def write_profile(profile: Mapping[str, Any] | CalibrationProfile, path: Path) -> None:
@@ -219,24 +233,25 @@ def to_toml(data: dict[str, Any], prefix: str = "") -> str:
 
 
 # ---------------------------------------------------------------------------- which profile
-def resolve_calibration(store: Store, calibration: Path | None, host: str) -> tuple[dict[str, Any], str]:
+def resolve_calibration(store: Store, calibration: Path | None, host: str) -> tuple[CalibrationProfile, str]:
     """The profile to predict with, and where it came from: --calibration FILE; else the newest
     calibration in the store taken on the run's host; else ./ddlscope-calibration.toml."""
     if calibration is not None:
-        return load_profile(calibration), str(calibration)
+        return CalibrationProfile.load(calibration), str(calibration)
     stored = store.latest_calibration(host)
     if stored is not None:
-        return stored[1], f"calibration {stored[0]} in {store.path}"
+        source = f"calibration {stored[0]} in {store.path}"
+        return CalibrationProfile.coerce(stored[1], source), source
     if DEFAULT_PROFILE.is_file():
-        return load_profile(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
+        return CalibrationProfile.load(DEFAULT_PROFILE), str(DEFAULT_PROFILE)
     raise ConfigError(f"no calibration of host {host!r} in {store.path} and no {DEFAULT_PROFILE}: "
                       "run `ddlscope calibrate` first (or pass --calibration FILE)")
 
 
-def this_machine_profile(calibration: Path | None, db: Path) -> dict[str, Any]:
+def this_machine_profile(calibration: Path | None, db: Path) -> CalibrationProfile:
     """The profile that `local:1xN` clusters describe: --calibration FILE, else the newest
     calibration of this host in the store at `db` (when it exists), else ./ddlscope-calibration.toml."""
     if calibration is None and db.is_file():
         with Store(db) as store:
             return resolve_calibration(store, None, socket.gethostname())[0]
-    return load_profile(calibration or DEFAULT_PROFILE)
+    return CalibrationProfile.load(calibration or DEFAULT_PROFILE)

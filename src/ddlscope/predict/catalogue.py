@@ -15,6 +15,8 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
+from ddlscope.calibrate.model import collective_fit, nearest_world, required
+from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.specs import ConfigError
 
 GIB = 2**30
@@ -194,7 +196,7 @@ _CLUSTER_STRING = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)
 
 
 def parse_cluster(text: str, catalogue: Catalogue | None = None,
-                  local_profile: dict[str, Any] | None = None) -> Cluster:
+                  local_profile: CalibrationProfile | dict[str, Any] | None = None) -> Cluster:
     """`a100-80gb:64x8` -> 64 nodes of 8 A100-80GB; `local:1x2` -> two ranks of this machine as
     `local_profile` (a `ddlscope calibrate` profile) describes it. Bad strings raise ClusterStringError."""
     catalogue = catalogue or load_catalogue()
@@ -249,7 +251,7 @@ LOCAL = "local"
 LOCAL_FRAMEWORK_OVERHEAD_BYTES = 0.4 * GIB
 
 
-def local_cluster(profile: dict[str, Any], nodes: int, ranks: int) -> Cluster:
+def local_cluster(profile: CalibrationProfile | dict[str, Any], nodes: int, ranks: int) -> Cluster:
     """`local:1xN`: N ranks of this machine, from a `ddlscope calibrate` profile.
 
     Peaks are the measured matmul FLOP/s (fp32, and bf16 where measured), so
@@ -264,41 +266,38 @@ def local_cluster(profile: dict[str, Any], nodes: int, ranks: int) -> Cluster:
     """
     if nodes != 1:
         raise ClusterStringError(f"cluster = '{LOCAL}:{nodes}x{ranks}': {LOCAL} is this machine: use {LOCAL}:1xN")
-    compute, meta = profile.get("compute", {}), profile.get("meta", {})
-    try:
-        fp32 = float(compute["peak_flops"])
-        sizes, rates = compute["matmul"]["sizes"], compute["matmul"]["flops"]
-        memory = float(meta["memory_bytes"])
-    except KeyError as missing:
-        raise ConfigError(f"the calibration has no {missing.args[0]}: rerun `ddlscope calibrate`") from None
+    profile = CalibrationProfile.coerce(profile)
+    compute, meta = profile.compute, profile.meta
+    fp32 = float(required(compute.peak_flops, "peak_flops"))
+    matmul = required(compute.matmul, "matmul")
+    sizes, rates = required(matmul.sizes, "matmul sizes"), required(matmul.flops, "matmul flops")
+    memory = float(required(meta.memory_bytes if meta else None, "memory_bytes"))
     peaks = {"fp32": fp32}
-    if compute.get("bf16"):
-        peaks["bf16"] = float(compute["bf16"]["flops"])
+    if compute.bf16 and compute.bf16.flops is not None:
+        peaks["bf16"] = float(compute.bf16.flops)
     half_dims = [n * (1 - (r / fp32) ** 0.5) / (r / fp32) ** 0.5 for n, r in zip(sizes, rates) if 0 < r < fp32]
     half_dim = sorted(half_dims)[len(half_dims) // 2] if half_dims else 1.0
     rate_128 = min(zip(sizes, rates), key=lambda size_rate: abs(size_rate[0] - 128))[1]
-    device = Device(key=LOCAL, description=f"this machine ({meta.get('host', '?')}, {meta.get('cores', '?')} cores)",
+    device = Device(key=LOCAL, description=f"this machine ({meta.host or '?'}, {meta.cores or '?'} cores)",
                     peak_flops=peaks, memory_bytes=memory / ranks,
-                    memory_bandwidth_bytes_per_s=float(compute["memory_bandwidth_bytes_per_s"]),
+                    memory_bandwidth_bytes_per_s=float(required(compute.memory_bandwidth_bytes_per_s,
+                                                                "memory_bandwidth_bytes_per_s")),
                     power_w=0.0, price_usd_per_hour=0.0, spot_price_usd_per_hour=0.0,
                     efficiency=Efficiency(gemm_kernel_fraction=1.0, gemm_half_dim=half_dim, sustained_fraction=1.0,
                                           flash_attention_fraction=min(rate_128 / fp32, 1.0), memory_fraction=1.0,
-                                          kernel_overhead_s=float(compute["op_overhead_s"])),
+                                          kernel_overhead_s=float(required(compute.op_overhead_s, "op_overhead_s"))),
                     framework_overhead_bytes=LOCAL_FRAMEWORK_OVERHEAD_BYTES)
     link = _loopback_link(profile, ranks)
     return Cluster(name=LOCAL, device=device, nodes=1, gpus_per_node=ranks,
                    node=NodeShape(gpus=ranks, intra=link, inter=link, nics=1))
 
 
-def _loopback_link(profile: dict[str, Any], ranks: int) -> Link:
-    from ddlscope.calibrate.model import nearest_world
-
-    tables = profile.get("collectives") or {}
-    if not tables:
+def _loopback_link(profile: CalibrationProfile, ranks: int) -> Link:
+    if not profile.collectives:
         raise ConfigError("the calibration has no collective measurements: rerun `ddlscope calibrate`")
-    key = nearest_world(tables, ranks)
-    world, fit = int(key.removeprefix("ws")), tables[key]["all_reduce"]
+    key = nearest_world(profile.collectives, ranks)
+    world, fit = int(key.removeprefix("ws")), collective_fit(profile, "all_reduce", ranks)
     steps = 2 * (world - 1)
     return Link(key="gloo-loopback", description=f"gloo on loopback (calibrated at {world} ranks)",
-                bandwidth_bytes_per_s=float(fit["beta_bytes_per_s"]) * steps / world,
-                alpha_s=float(fit["alpha_s"]) / steps, efficiency=1.0)
+                bandwidth_bytes_per_s=float(required(fit.beta_bytes_per_s, "beta_bytes_per_s")) * steps / world,
+                alpha_s=float(required(fit.alpha_s, "alpha_s")) / steps, efficiency=1.0)

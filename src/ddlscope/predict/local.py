@@ -56,14 +56,15 @@ Per step and rank:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from ddlscope.predict.estimators import LocalCase, LocalStep, estimator_for
-from ddlscope.calibrate.model import (
-    OPS_PER_PARAM_OPTIMIZER, STATE_TENSORS, busy_period_s, emulated_link, gemm_time_s, machine_probe,
-    optimizer_kind, oversubscription_of, sync_at)
 from pydantic import ValidationError
 
+from ddlscope.calibrate.model import (
+    OPS_PER_PARAM_OPTIMIZER, STATE_TENSORS, busy_period_s, emulated_link, gemm_time_s, machine_probe,
+    optimizer_kind, oversubscription_of, required, sync_at)
+from ddlscope.calibrate.profile import CalibrationProfile
+from ddlscope.predict.estimators import LocalCase, LocalStep, estimator_for
 from ddlscope.specs import STRATEGY_SPECS, ConfigError, StrategySpec, describe_validation_error
 from ddlscope.specs.registry import UnknownPluginError
 
@@ -82,23 +83,25 @@ def strategy_of(config: dict[str, Any]) -> StrategySpec:
 
 
 def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[str, Any],
-               profile: dict[str, Any]) -> LocalCase:
+               profile: CalibrationProfile | Mapping[str, Any]) -> LocalCase:
     """What every local estimate of this run shares: ranks, cores, link, compute alone."""
     spec = strategy_of(config)
-    compute = profile["compute"]
-    op_s = float(compute["op_overhead_s"])
+    profile = CalibrationProfile.coerce(profile)
+    compute = profile.compute
+    op_s = float(required(compute.op_overhead_s, "op_overhead_s"))
     # Memory-bound work at the largest calibrated copy's rate. The calibration also records copy
     # rates by size (caches); using them, at the step's footprint, predicted the benchmark's runs
     # worse (MAPE 10.0% against 7.5% on the same runs and calibration), so they stay a record.
-    mem_bw = float(compute["memory_bandwidth_bytes_per_s"])
+    mem_bw = float(required(compute.memory_bandwidth_bytes_per_s, "memory_bandwidth_bytes_per_s"))
     opt_kind = optimizer_kind(facts)
     return LocalCase(
         world=int(config["cluster"]["world_size"]), servers=spec.extra_ranks(),
-        cores=int(profile.get("meta", {}).get("cores") or environment.get("cores") or 1),
+        cores=int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1),
         link=emulated_link(environment), profile=profile, facts=facts,
         alone_s=facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw,
         op_s=op_s, memory_bandwidth=mem_bw, optimizer_kind=opt_kind,
-        per_tensor_s=float(compute.get("optimizer_tensor_s", 2 * op_s)) * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2)
+        per_tensor_s=float(2 * op_s if compute.optimizer_tensor_s is None else compute.optimizer_tensor_s)
+        * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2)
 
 
 def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -109,16 +112,17 @@ def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str
 
 
 # model_state_bytes needs no machine: a profile that prices nothing
-_NO_PROFILE: dict[str, Any] = {"compute": {"op_overhead_s": 0.0, "memory_bandwidth_bytes_per_s": 1.0,
-                                           "matmul": {"peak_flops": 1.0}}}
+_NO_PROFILE = CalibrationProfile.coerce({"compute": {"op_overhead_s": 0.0, "memory_bandwidth_bytes_per_s": 1.0,
+                                                      "matmul": {"peak_flops": 1.0}}, "collectives": {}})
 
 
 def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: dict[str, Any],
-                  profile: dict[str, Any]) -> dict[str, Any]:
+                  profile: CalibrationProfile | Mapping[str, Any]) -> dict[str, Any]:
     """Predicted mean step time, its breakdown and model-state memory of one run."""
     spec = strategy_of(config)
     estimator = estimator_for(spec)
     case = local_case(config, environment, facts, profile)
+    profile = case.profile
     world, op_s, mem_bw = case.world, case.op_s, case.memory_bandwidth
     # Servers sleep in recv while the workers compute: only the workers contend for cores then.
     oversubscription = oversubscription_of(world, case.cores)

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.calibrate.model import STATE_TENSORS
+from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.predict.strategies import ServerSpec, StrategyEstimate, Workload
 from ddlscope.specs import StrategySpec
 
@@ -38,7 +39,7 @@ class LocalCase:
     servers: int  # extra ranks (spec.extra_ranks())
     cores: int
     link: tuple[float, float] | None  # the emulated network (alpha_s, bytes/s), None for the real one
-    profile: dict[str, Any]  # the calibration
+    profile: CalibrationProfile  # the calibration
     facts: dict[str, Any]  # the workload's FLOPs, ops and tensor sizes (the step profiler's)
     alone_s: float  # one rank's compute with the machine to itself
     op_s: float  # per-op overhead

@@ -7,7 +7,7 @@ import math
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
-from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s
+from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required
 from ddlscope.specs.strategies.ddp import DDPSpec
 
 
@@ -34,8 +34,9 @@ class DDPEstimator(Estimator):
         if not probe:
             return LocalComm(buckets * message_s(case.profile, "all_reduce", param_bytes / buckets, case.world,
                                                  case.link))
-        machine_s = interpolate_linear(probe["model_bytes"], probe["overhead_s"], param_bytes)
+        overhead_s = required(probe.overhead_s, "ddp overhead_s")
+        machine_s = interpolate_linear(required(probe.model_bytes, "ddp model_bytes"), overhead_s, param_bytes)
         if case.link is not None:
-            machine_s = max(machine_s, float(probe["overhead_s"][0])
+            machine_s = max(machine_s, float(overhead_s[0])
                             + buckets * emulated_s(case.link, "all_reduce", param_bytes / buckets, case.world))
         return LocalComm(machine_s, holds_sync_wait=True, holds_turn_taking=True)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
-from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, shard_bytes
+from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required, shard_bytes
 from ddlscope.specs.strategies.fsdp import FSDPSpec
 
 
@@ -38,21 +38,22 @@ class FSDPEstimator(Estimator):
         if spec.wrap == "model":
             units = [int(case.param_bytes)]
         probe = machine_probe(case.profile, "fsdp", case.world)
-        comm = LocalComm(holds_sync_wait=bool(probe), holds_turn_taking=bool(probe))
-        if not probe:
+        comm = LocalComm(holds_sync_wait=probe is not None, holds_turn_taking=probe is not None)
+        if probe is None:
             comm.notes.append("fsdp: the calibration has no FSDP per-unit probe (rerun ddlscope calibrate)")
         world, link = case.world, case.link
         for i, unit in enumerate(units):
             gathers = 1 if (i == len(units) - 1 and len(units) > 1) or not spec.reshard_after_forward else 2
-            if not probe:
+            if probe is None:
                 comm.comm_s += (gathers * message_s(case.profile, "all_gather", unit / world, world, link)
                                 + message_s(case.profile, "reduce_scatter", unit, world, link))
                 continue
-            machine_s = interpolate_linear(probe["unit_bytes"], probe["unit_overhead_s"], unit)
+            unit_s = required(probe.unit_overhead_s, "fsdp unit_overhead_s")
+            machine_s = interpolate_linear(required(probe.unit_bytes, "fsdp unit_bytes"), unit_s, unit)
             if link is not None:
                 link_s = (gathers * emulated_s(link, "all_gather", unit / world, world)
                           + emulated_s(link, "reduce_scatter", unit, world))
                 # the emulated link waits out its own time; the machine's fixed cost (the smallest unit's) remains
-                machine_s = max(machine_s, float(probe["unit_overhead_s"][0]) + link_s)
+                machine_s = max(machine_s, float(unit_s[0]) + link_s)
             comm.comm_s += machine_s
         return comm
