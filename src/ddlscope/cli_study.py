@@ -1,0 +1,100 @@
+"""What `ddlscope study` and `ddlscope sweep` share on the terminal: the progress bar over the
+cells, the cell table, headlines, decisions and notes, and the one line of a cell that failed.
+
+The work itself (run, analyse, report) is the studies layer's run_study; this
+module only shows it. Bad input raises `ddlscope.specs.ConfigError`; the
+CLI's main() prints its one-line message and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column, Table
+
+from ddlscope.specs import ConfigError
+from ddlscope.studies.base import Cell, CellResult, Study, StudyCellFailed, cell_rows
+from ddlscope.studies.runner import StudyOutcome, run_study
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def check_db_folder(db: Path) -> None:
+    """Refuse a store path whose folder does not exist, before any cell starts."""
+    if db.parent and not db.resolve().parent.exists():
+        raise ConfigError(f"--db {db}: folder {db.resolve().parent} does not exist")
+
+
+def run_study_command(kind: str, study: Study, name: str, cells: list[Cell], db: Path, fresh: bool,
+                      report_path: Path, title: str, quick: bool = False) -> StudyOutcome:
+    """Run a study with a progress bar, print its summary and report path; exit 1 when a cell fails.
+
+    `kind` ("study", "sweep") is the word the messages use.
+    """
+    show = console.is_terminal
+    with Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not show) as bar:
+        task = bar.add_task("cells", total=len(cells), label=kind)
+
+        def on_cell(index: int, cell: Cell, state: str) -> None:
+            bar.update(task, completed=index, label=f"{cell.key} ({state})")
+            if not show:  # a log, one line per cell, where no bar can be drawn
+                err_console.print(f"[{index + 1}/{len(cells)}] {cell.key}: {state}", markup=False, highlight=False)
+
+        def on_analysis() -> None:
+            bar.update(task, completed=len(cells), label="analysis")
+
+        try:
+            outcome = run_study(study, name, cells, db, fresh, report_path, title, quick, on_cell, on_analysis)
+        except StudyCellFailed as exc:
+            err_console.print(f"{kind} {name} stopped: {exc}; rerun to resume", markup=False, highlight=False,
+                              soft_wrap=True)
+            raise typer.Exit(1)
+    print_outcome(console, kind, outcome)
+    console.print(f"report: {outcome.report_path.resolve()}")
+    return outcome
+
+
+def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
+    """The cell table, then headlines (for studies that have them), decisions and notes."""
+    results, findings = outcome.results, outcome.findings
+    reused = sum(r.reused for r in results)
+    out.print(f"[bold]{kind} {outcome.name}[/bold]: {len(results)} cells ({reused} reused from the store)")
+    out.print(cell_table(results))
+    if outcome.study.has_headlines:
+        headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
+        for h in findings.headlines:
+            headlines.add_row(h["headline"], h["paper"], h["measured"], h["verdict"])
+        out.print(headlines)
+    for decision in findings.decisions:
+        out.print(f"- {decision}")
+    for note in findings.notes:
+        out.print(f"[yellow]note:[/yellow] {note}")
+
+
+def cell_table(results: list[CellResult]) -> Table:
+    """One row per cell; a column no cell has a value for (speedup without a one-process cell,
+    staleness without a parameter server) is left out."""
+    rows = cell_rows(results)
+    columns = {
+        "step ms": [_num(r.step_s, 1e3, "{:.1f}") for r in rows],
+        "samples/s": [_num(r.throughput, 1, "{:.0f}") for r in rows],
+        "speedup": [_num(r.speedup, 1, "{:.2f}x") for r in rows],
+        "accuracy": [_num(r.accuracy, 1, "{:.3f}") for r in rows],
+        "wall s": [_num(r.wall_s, 1, "{:.1f}") for r in rows],
+        "staleness": [_num(r.staleness, 1, "{:.2f}") for r in rows],
+    }
+    shown = {title: values for title, values in columns.items() if any(v != "-" for v in values)}
+    # A cell's key is what the store names its run (NAME:KEY): wrapped, never cut to '…'
+    table = Table(Column("cell", overflow="fold"), *shown, box=None, pad_edge=False)
+    for i, row in enumerate(rows):
+        table.add_row(row.key, *(values[i] for values in shown.values()))
+    return table
+
+
+def _num(value: float | None, scale: float, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value * scale)
