@@ -32,12 +32,14 @@ def _register_plugins() -> None:
     from ddlscope.cli_advise import register as register_advise
     from ddlscope.cli_calibrate import register as register_calibrate
     from ddlscope.cli_predict import register as register_predict
+    from ddlscope.cli_sweep import register as register_sweep
     from ddlscope.report.cli import register as register_report
 
     register_report(app)
     register_predict(app)
     register_advise(app)
     register_calibrate(app)
+    register_sweep(app)
 
 err_console = Console(stderr=True)
 

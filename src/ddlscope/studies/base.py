@@ -14,6 +14,9 @@ from ddlscope.specs import STRATEGY_SPECS, Experiment
 from ddlscope.store import Run, Store
 
 
+MAX_REPEATS = 10  # seeds per cell, at most
+
+
 @dataclass
 class Cell:
     key: str  # e.g. "ddp/slow/straggler/w4"
@@ -122,7 +125,7 @@ class CellRow:
 
 def cell_rows(results: list[CellResult]) -> list[CellRow]:
     """The cell table every study prints; memory cells get no speedup (they time nothing comparable)."""
-    baselines = [r for r in results if _one_process(r)]
+    baselines = [r for r in results if is_one_process(r)]
     rows = []
     for r in results:
         s = r.summary
@@ -143,7 +146,8 @@ def effective_throughput(summary: Summary) -> float | None:
     return s.throughput_samples_per_s * s.mean_step_s / s.effective_step_s
 
 
-def _one_process(result: CellResult) -> bool:
+def is_one_process(result: CellResult) -> bool:
+    """Whether the cell's strategy trains on one process: a speedup's denominator."""
     name = (result.run.config.get("strategy") or {}).get("name")
     return name in STRATEGY_SPECS and STRATEGY_SPECS.get(name).traits.single_process
 
