@@ -167,6 +167,23 @@ def test_cell_table_wraps_long_cell_names_at_80_columns():
     assert lines[3].split()[1:] == ["30.0", "33", "1.67x", "0.900", "3.0", "1.50"]
 
 
+def test_cell_table_compares_each_cell_with_the_one_process_cell_of_its_workload():
+    from ddlscope.studies.base import cell_rows
+
+    def cell(key, strategy, batch, step_s):
+        r = _result(key, {"strategy": strategy}, step_s, 1.0, None, strategy=strategy)
+        r.run.config["workload"] = {"name": "mlp-digits", "batch_size": batch}
+        r.summary.throughput_samples_per_s = batch / step_s
+        return r
+
+    results = [cell("single/b32", "single", 32, 0.010), cell("single/b64", "single", 64, 0.016),
+               cell("ddp/b32", "ddp", 32, 0.008), cell("ddp/b64", "ddp", 64, 0.010), cell("ddp/b128", "ddp", 128, 0.02)]
+    speedups = {row.key: row.speedup for row in cell_rows(results)}
+    assert speedups["ddp/b32"] == pytest.approx(1.25) and speedups["ddp/b64"] == pytest.approx(1.6)
+    assert speedups["ddp/b128"] == pytest.approx(2.0)  # no one-process cell of its workload: the first one
+    assert speedups["single/b64"] == pytest.approx(1.0)
+
+
 def test_cell_table_leaves_out_columns_no_cell_has():
     from rich.console import Console
 
