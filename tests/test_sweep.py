@@ -2,6 +2,7 @@
 runner, and a rerun reuses the cells already in the store."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -139,6 +140,16 @@ def test_missing_or_invalid_file_is_one_line(tmp_path):
         load_sweep(tmp_path / "bad.toml")
 
 
+def test_the_documented_example_is_the_shipped_file_and_is_valid():
+    root = Path(__file__).resolve().parents[1]
+    example = root / "configs" / "sweep-example.toml"
+    assert f"```toml\n{example.read_text()}```" in (root / "docs" / "user-guide.md").read_text()
+    _, cells = load_sweep(example)
+    assert [c.key for c in cells] == [
+        "single", "ddp/world_size=2/bucket_mb=1", "ddp/world_size=2/bucket_mb=25", "ddp/world_size=4/bucket_mb=1",
+        "ddp/world_size=4/bucket_mb=25", "fsdp/world_size=2", "fsdp/world_size=4"]  # as the user guide lists them
+
+
 # ---------------------------------------------------------------------------- analysis
 def _result(key, strategy, step_s, accuracy, group=None):
     summary = Summary(
@@ -163,8 +174,13 @@ def test_analysis_names_the_fastest_and_most_accurate_cells_by_their_seeds_media
     assert findings.headlines == []
     assert findings.decisions == [
         "Highest throughput: fsdp (6400 samples/s, 5.0 ms per step, 2.00x the one-process cell).",
-        "Highest accuracy: ddp (80.0%)."]
+        "Highest accuracy: 80.0%, ddp."]
     assert any("3 seeds" in n for n in findings.notes)
+    tied = study.analyse([_result("single", "single", 0.010, 0.5), _result("ddp", "ddp", 0.02, 0.5),
+                          _result("fsdp", "fsdp", 0.03, 0.4), _result("ssp", "ssp", 0.03, 0.5)])
+    assert tied.decisions[1] == "Highest accuracy: 50.0%, single, ddp, ssp."
+    same = study.analyse([_result("single", "single", 0.010, 0.5), _result("ddp", "ddp", 0.02, 0.5)])
+    assert same.decisions[1] == "Highest accuracy: 50.0%, all 2 cells."
 
 
 # ---------------------------------------------------------------------------- the command

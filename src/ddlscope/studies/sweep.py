@@ -246,13 +246,21 @@ def _decisions(results: list[CellResult]) -> list[str]:
         versus = f", {speedup:.2f}x the one-process cell" if speedup and fastest not in baselines else ""
         out.append(f"Highest throughput: {fastest} ({median(fastest, 'throughput'):.0f} samples/s, "
                    f"{(median(fastest, 'step_s') or 0) * 1e3:.1f} ms per step{versus}).")
-    most_accurate = _best(groups, lambda g: median(g, "accuracy"))
+    most_accurate = _tied_best(groups, lambda g: median(g, "accuracy"))
     if most_accurate:
-        out.append(f"Highest accuracy: {most_accurate} ({median(most_accurate, 'accuracy'):.1%}).")
+        # Synchronous strategies compute the same SGD: their accuracies tie, and saying so is the finding.
+        who = (f"all {len(groups)} cells" if len(most_accurate) == len(groups) > 1 else ", ".join(most_accurate))
+        out.append(f"Highest accuracy: {median(most_accurate[0], 'accuracy'):.1%}, {who}.")
     return out
 
 
 def _best(groups: dict[str, Any], value: Callable[[str], float | None]) -> str | None:
     """The group with the highest value (the first of a tie), None when no group has one."""
-    scored = [(v, g) for g in groups if (v := value(g)) is not None]
-    return max(scored, key=lambda vg: vg[0])[1] if scored else None
+    return next(iter(_tied_best(groups, value)), None)
+
+
+def _tied_best(groups: dict[str, Any], value: Callable[[str], float | None]) -> list[str]:
+    """The groups that share the highest value, in order; none when no group has a value."""
+    scored = {g: v for g in groups if (v := value(g)) is not None}
+    top = max(scored.values(), default=None)
+    return [g for g, v in scored.items() if v == top]
