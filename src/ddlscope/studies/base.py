@@ -170,5 +170,6 @@ def measurement_notes(results: list[CellResult]) -> list[str]:
 
 
 def median_or_none(values: list[float | None]) -> float | None:
+    """The median of the values present; None when there are none."""
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
