@@ -165,6 +165,44 @@ def test_study_report_headlines_cells_figures_decisions(store):
     assert html.index('id="headlines"') < html.index('id="cells"') < html.index('id="decisions"')
 
 
+def _study_cells(store, with_summaries: bool) -> list[dict]:
+    from ddlscope.analysis.summary import summarize
+
+    cells = []
+    for ref, strategy in (("single", "single"), ("ddp2", "ddp"), ("psasync", "ps-async")):
+        run = store.get_run(ref)
+        cell = {"key": f"{strategy}/w{run.world_size}", "run": run,
+                "labels": {"strategy": strategy, "world_size": run.world_size}}
+        if with_summaries:
+            cell["summary"] = summarize(store, run)
+        cells.append(cell)
+    return cells
+
+
+def test_study_report_reads_the_summaries_it_is_given(store, monkeypatch):
+    import ddlscope.report.html as html_module
+
+    expected = study_report(store, "s", _study_cells(store, with_summaries=False), [], ["d"], ["n"])
+    cells = _study_cells(store, with_summaries=True)
+
+    def no_second_summary(*args, **kwargs):
+        raise AssertionError("study_report summarised a run it was given the summary of")
+
+    monkeypatch.setattr(html_module, "summarize", no_second_summary)
+    assert study_report(store, "s", cells, [], ["d"], ["n"]) == expected
+    cells[1]["summary"].throughput_samples_per_s = 12345.0  # the page shows the summary it was given
+    assert "12,345" in study_report(store, "s", cells, [], ["d"], ["n"])
+
+
+def test_study_report_without_headlines_has_no_headline_section(store):
+    cells = _study_cells(store, with_summaries=False)
+    with_empty = study_report(store, "s", cells, [], [], [])
+    assert '<section id="headlines">' in with_empty and "No headlines." in with_empty
+    without = study_report(store, "s", cells, None, [], [])
+    assert 'id="headlines"' not in without and "main study" not in without and 'href="#headlines"' not in without
+    assert '<section id="cells">' in without and "ddp/w2" in without
+
+
 def test_write_report_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "r.html"
     write_report("<p>one</p>", path)

@@ -55,7 +55,7 @@ def test_compensated_momentum():
     assert compensated_momentum(0.5, 4) == 0.0
 
 
-def _result(key, labels, step_s, wall_s, accuracy, memory=None, staleness=None):
+def _result(key, labels, step_s, wall_s, accuracy, memory=None, staleness=None, strategy="ddp"):
     from types import SimpleNamespace
 
     summary = Summary(
@@ -66,7 +66,7 @@ def _result(key, labels, step_s, wall_s, accuracy, memory=None, staleness=None):
         final_loss=None, train_wall_s=wall_s, oversubscribed=False, cpu_derived_step_s=step_s,
         cpu_derived_wall_s=wall_s, staleness=staleness or {})
     cell = SimpleNamespace(key=key, labels=labels)
-    run = SimpleNamespace(config={"workload": {"momentum": 0.4}})
+    run = SimpleNamespace(config={"workload": {"momentum": 0.4}, "strategy": {"name": strategy}})
     return CellResult(cell, run, summary, reused=False)
 
 
@@ -144,18 +144,51 @@ def test_paper_analysis_reads_the_median_of_a_cells_seeds():
     assert any("3 seeds" in n for n in findings.notes)
 
 
-def test_cell_table_wraps_long_cell_names_at_80_columns(monkeypatch):
+def test_cell_table_wraps_long_cell_names_at_80_columns():
     from rich.console import Console
 
-    import ddlscope.cli.study as study_cli
+    from ddlscope.cli.study import print_outcome
+    from ddlscope.studies.runner import StudyOutcome
 
     key = "ps-stale-aware/fast/straggler/w2/seed2"
     labels = {"part": "accuracy", "strategy": "ps-stale-aware", "network": "fast", "workers": "straggler",
               "world_size": 2, "group": "ps-stale-aware/fast/straggler/w2", "seed": 2}
-    results = [_result(key, labels, 0.03, 3.0, 0.9)]
+    single = _result("single/w1", {"part": "accuracy", "strategy": "single", "network": "none",
+                                   "workers": "homogeneous", "world_size": 1}, 0.05, 5.0, 0.9, strategy="single")
+    results = [single, _result(key, labels, 0.03, 3.0, 0.9, staleness={"mean": 1.5})]
+    study = STUDIES.get("paper")()
     console = Console(width=80, record=True)
-    monkeypatch.setattr(study_cli, "console", console)
-    study_cli._print_findings("paper", results, STUDIES.get("paper")().analyse(results, quick=True))
+    print_outcome(console, "study", StudyOutcome(study, "paper", results, study.analyse(results, quick=True), None))
     text = console.export_text()
     assert "…" not in text
-    assert "".join(line.split()[0] for line in text.splitlines()[2:4]) == key  # folded onto two lines
+    lines = text.splitlines()
+    assert lines[1].split() == ["cell", "step", "ms", "samples/s", "speedup", "accuracy", "wall", "s", "staleness"]
+    assert "".join(line.split()[0] for line in lines[3:5]) == key  # folded onto two lines
+    assert lines[3].split()[1:] == ["30.0", "33", "1.67x", "0.900", "3.0", "1.50"]
+
+
+def test_cell_table_compares_each_cell_with_the_one_process_cell_of_its_workload():
+    from ddlscope.studies.base import cell_rows
+
+    def cell(key, strategy, batch, step_s):
+        r = _result(key, {"strategy": strategy}, step_s, 1.0, None, strategy=strategy)
+        r.run.config["workload"] = {"name": "mlp-digits", "batch_size": batch}
+        r.summary.throughput_samples_per_s = batch / step_s
+        return r
+
+    results = [cell("single/b32", "single", 32, 0.010), cell("single/b64", "single", 64, 0.016),
+               cell("ddp/b32", "ddp", 32, 0.008), cell("ddp/b64", "ddp", 64, 0.010), cell("ddp/b128", "ddp", 128, 0.02)]
+    speedups = {row.key: row.speedup for row in cell_rows(results)}
+    assert speedups["ddp/b32"] == pytest.approx(1.25) and speedups["ddp/b64"] == pytest.approx(1.6)
+    assert speedups["ddp/b128"] == pytest.approx(2.0)  # no one-process cell of its workload: the first one
+    assert speedups["single/b64"] == pytest.approx(1.0)
+
+
+def test_cell_table_leaves_out_columns_no_cell_has():
+    from rich.console import Console
+
+    from ddlscope.cli.study import cell_table
+
+    console = Console(width=120, record=True)
+    console.print(cell_table([_result("ddp/w2", {"strategy": "ddp"}, 0.02, 2.0, None)]))
+    assert console.export_text().splitlines()[0].split() == ["cell", "step", "ms", "samples/s", "wall", "s"]

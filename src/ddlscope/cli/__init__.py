@@ -33,6 +33,7 @@ COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("trace", run.trace),
     ("study", study.study),
     ("studies", study.studies),
+    ("sweep", study.sweep),
     ("scaling", run.scaling),
     ("strategies", catalogue.strategies),
     ("workloads", catalogue.workloads),

@@ -1,19 +1,25 @@
-"""Studies: `study NAME` runs a named experiment set and writes its report; `studies` lists them."""
+"""Studies: `study NAME` runs a named experiment set, `sweep GRID.toml` a user-defined grid, `studies`
+lists the named ones. Both run on the studies layer's run_study (run -> analyse -> report) and show
+it the same way here: the progress bar over the cells, the cell table, headlines, decisions and
+notes, and the one line of a cell that failed (exit 1; a rerun resumes).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
 from ddlscope.cli.common import DEFAULT_DB, DbOption, UserError, console, err_console
-from ddlscope.specs import is_baseline
-from ddlscope.store import Store
+from ddlscope.specs import ConfigError
 
-MAX_STUDY_REPEATS = 10
+if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load it when a command runs
+    from ddlscope.studies.base import Cell, CellResult, Study
+    from ddlscope.studies.runner import StudyOutcome
 
 
 def study(
@@ -27,45 +33,33 @@ def study(
 ) -> None:
     """Run a study's cells (reusing those already in the store), then print and write its report."""
     from ddlscope.studies import STUDIES
-    from ddlscope.studies.base import StudyCellFailed, run_cells
+    from ddlscope.studies.base import MAX_REPEATS
 
     try:
         study_obj = STUDIES.get(name)()
     except KeyError as exc:
         raise UserError(str(exc)) from None
-    if db.parent and not db.resolve().parent.exists():
-        raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
-    if not 1 <= repeats <= MAX_STUDY_REPEATS:
-        raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_STUDY_REPEATS}")
-    report_path = output or Path(f"{name}-report.html")
-    cells = study_obj.cells(quick, repeats)
-    show = console.is_terminal
-    with Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=not show) as bar:
-        task = bar.add_task("cells", total=len(cells), label="study")
+    check_db_folder(db)
+    if not 1 <= repeats <= MAX_REPEATS:
+        raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_REPEATS}")
+    run_study_command("study", study_obj, name, study_obj.cells(quick, repeats), db, fresh,
+                      output or Path(f"{name}-report.html"), f"ddlscope study {name}{' (quick)' if quick else ''}", quick)
 
-        def on_cell(index: int, cell: Any, state: str) -> None:
-            bar.update(task, completed=index, label=f"{cell.key} ({state})")
-            if not show:
-                err_console.print(f"[{index + 1}/{len(cells)}] {cell.key}: {state}", markup=False, highlight=False)
 
-        try:
-            results = run_cells(name, cells, db, fresh, on_cell)
-        except StudyCellFailed as exc:
-            err_console.print(f"study {name} stopped: {exc}; rerun to resume", markup=False, highlight=False,
-                              soft_wrap=True)
-            raise typer.Exit(1)
-        bar.update(task, completed=len(cells), label="analysis")
-    findings = study_obj.analyse(results, quick)
-    _print_findings(name, results, findings)
-    from ddlscope.report.html import study_report, write_report
+def sweep(
+    grid: Annotated[Path, typer.Argument(metavar="GRID.toml", help="Sweep file: name, repeats, [base] experiment, "
+                                         "[grid] of dotted fields and their values (docs/user-guide.md).")],
+    fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
+    db: DbOption = DEFAULT_DB,
+) -> None:
+    """Run a grid of experiments (reusing cells already in the store), then print and write its report."""
+    from ddlscope.studies.sweep import load_sweep
 
-    with Store(db) as store:
-        cells_data = [{"key": r.cell.key, "run": r.run, "labels": r.cell.labels} for r in results]
-        html = study_report(store, f"ddlscope study {name}{' (quick)' if quick else ''}", cells_data,
-                            findings.headlines, findings.decisions, findings.notes)
-    write_report(html, report_path)
-    console.print(f"report: {report_path.resolve()}")
+    study, cells = load_sweep(grid)  # every cell validated before the first one starts
+    check_db_folder(db)
+    run_study_command("sweep", study, study.name, cells, db, fresh, output or Path(f"{study.name}-report.html"),
+                      f"ddlscope sweep {study.name}")
 
 
 def studies() -> None:
@@ -78,26 +72,83 @@ def studies() -> None:
     console.print(table)
 
 
-def _print_findings(name: str, results: list[Any], findings: Any) -> None:
+def check_db_folder(db: Path) -> None:
+    """Refuse a store path whose folder does not exist, before any cell starts."""
+    if db.parent and not db.resolve().parent.exists():
+        raise ConfigError(f"--db {db}: folder {db.resolve().parent} does not exist")
+
+
+def run_study_command(kind: str, study: Study, name: str, cells: list[Cell], db: Path, fresh: bool,
+                      report_path: Path, title: str, quick: bool = False) -> StudyOutcome:
+    """Run a study with a progress bar, print its summary and report path; exit 1 when a cell fails.
+
+    `kind` ("study", "sweep") is the word the messages use.
+    """
+    from ddlscope.studies.base import StudyCellFailed
+    from ddlscope.studies.runner import run_study
+
+    show = console.is_terminal
+    with Progress(TextColumn("[bold]{task.fields[label]}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not show) as bar:
+        task = bar.add_task("cells", total=len(cells), label=kind)
+
+        def on_cell(index: int, cell: Cell, state: str) -> None:
+            bar.update(task, completed=index, label=f"{cell.key} ({state})")
+            if not show:  # a log, one line per cell, where no bar can be drawn
+                err_console.print(f"[{index + 1}/{len(cells)}] {cell.key}: {state}", markup=False, highlight=False)
+
+        def on_analysis() -> None:
+            bar.update(task, completed=len(cells), label="analysis")
+
+        try:
+            outcome = run_study(study, name, cells, db, fresh, report_path, title, quick, on_cell, on_analysis)
+        except StudyCellFailed as exc:
+            err_console.print(f"{kind} {name} stopped: {exc}; rerun to resume", markup=False, highlight=False,
+                              soft_wrap=True)
+            raise typer.Exit(1)
+    print_outcome(console, kind, outcome)
+    console.print(f"report: {outcome.report_path.resolve()}")
+    return outcome
+
+
+def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
+    """The cell table, then headlines (for studies that have them), decisions and notes."""
+    results, findings = outcome.results, outcome.findings
     reused = sum(r.reused for r in results)
-    console.print(f"[bold]study {name}[/bold]: {len(results)} cells ({reused} reused from the store)")
-    # A cell's key is what the store names its run (paper:KEY): wrapped, never cut to '…'
-    cells = Table(Column("cell", overflow="fold"), "step ms", "speedup", "accuracy", "wall s", "staleness",
-                  box=None, pad_edge=False)
-    single = next((r for r in results if is_baseline(r.cell.labels.get("strategy", ""))), None)
-    for r in results:
-        s = r.summary
-        speed = (single.summary.effective_step_s / s.effective_step_s
-                 if single and s.effective_step_s and r.cell.labels.get("part") == "accuracy" else None)
-        cells.add_row(r.cell.key, f"{(s.effective_step_s or 0) * 1e3:.1f}", f"{speed:.2f}x" if speed else "-",
-                      f"{s.final_eval['metric']:.3f}" if s.final_eval and s.final_eval["metric_name"] == "accuracy" else "-",
-                      f"{s.effective_wall_s or 0:.1f}", f"{s.staleness['mean']:.2f}" if s.staleness else "-")
-    console.print(cells)
-    headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
-    for h in findings.headlines:
-        headlines.add_row(h["headline"], h["paper"], h["measured"], h["verdict"])
-    console.print(headlines)
+    out.print(f"[bold]{kind} {outcome.name}[/bold]: {len(results)} cells ({reused} reused from the store)")
+    out.print(cell_table(results))
+    if outcome.study.has_headlines:
+        headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
+        for h in findings.headlines:
+            headlines.add_row(h["headline"], h["paper"], h["measured"], h["verdict"])
+        out.print(headlines)
     for decision in findings.decisions:
-        console.print(f"- {decision}")
+        out.print(f"- {decision}")
     for note in findings.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        out.print(f"[yellow]note:[/yellow] {note}")
+
+
+def cell_table(results: list[CellResult]) -> Table:
+    """One row per cell; a column no cell has a value for (speedup without a one-process cell,
+    staleness without a parameter server) is left out."""
+    from ddlscope.studies.base import cell_rows
+
+    rows = cell_rows(results)
+    columns = {
+        "step ms": [_num(r.step_s, 1e3, "{:.1f}") for r in rows],
+        "samples/s": [_num(r.throughput, 1, "{:.0f}") for r in rows],
+        "speedup": [_num(r.speedup, 1, "{:.2f}x") for r in rows],
+        "accuracy": [_num(r.accuracy, 1, "{:.3f}") for r in rows],
+        "wall s": [_num(r.wall_s, 1, "{:.1f}") for r in rows],
+        "staleness": [_num(r.staleness, 1, "{:.2f}") for r in rows],
+    }
+    shown = {title: values for title, values in columns.items() if any(v != "-" for v in values)}
+    # A cell's key is what the store names its run (NAME:KEY): wrapped, never cut to '…'
+    table = Table(Column("cell", overflow="fold"), *shown, box=None, pad_edge=False)
+    for i, row in enumerate(rows):
+        table.add_row(row.key, *(values[i] for values in shown.values()))
+    return table
+
+
+def _num(value: float | None, scale: float, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value * scale)

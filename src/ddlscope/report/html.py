@@ -382,16 +382,16 @@ def runs_report(store: Store, runs: list[Run], title: str) -> str:
     return _env().get_template("runs.html").render(**context)
 
 
-def study_report(store: Store, title: str, cells: list[dict], headlines: list[dict], decisions: list[str],
+def study_report(store: Store, title: str, cells: list[dict], headlines: list[dict] | None, decisions: list[str],
                  notes: list[str]) -> str:
-    """The study page: headline comparison with the main study, all cells, figures, decisions."""
-    summaries: dict[int, Summary] = {}
-    data: list[RunData] = []
-    for cell in cells:
-        run = cell["run"]
-        if run.id not in summaries:
-            summaries[run.id] = summarize(store, run)
-        data.append(collect(store, run, label=str(cell["key"]), summary=summaries[run.id]))
+    """The study page: headline comparison with the main study, all cells, figures, decisions.
+
+    A cell is a dict with its key, run, labels and (as the study runner passes
+    it) the summary it already computed; a cell without one is summarised
+    here. `headlines=None`: a study that checks no published claims (a sweep),
+    whose page has no headline section.
+    """
+    data = [collect(store, cell["run"], label=str(cell["key"]), summary=cell.get("summary")) for cell in cells]
 
     has_target = any(c.get("labels", {}).get("target_metric") is not None for c in cells)
     metric_names = {d.metric_name for d in data if d.metric_name}
@@ -428,12 +428,15 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
             lab = c.get("labels", {})
             sizes_per_strategy.setdefault(str(lab.get("strategy", d.run.strategy)), set()).add(
                 int(lab.get("world_size", d.run.world_size)))
-        line_labels, line_groups = [], {}
+        names = []
         for c, d in members:
             lab = c.get("labels", {})
             strategy = str(lab.get("strategy", d.run.strategy))
             ws = int(lab.get("world_size", d.run.world_size))
-            label = strategy if len(sizes_per_strategy[strategy]) == 1 else f"{strategy} w{ws}"
+            names.append(strategy if len(sizes_per_strategy[strategy]) == 1 else f"{strategy} w{ws}")
+        line_labels, line_groups = [], {}
+        for (c, d), label in zip(members, _distinct_line_names(members, names)):
+            lab = c.get("labels", {})
             line_labels.append(f"{label} seed {lab['seed']}" if lab.get("seed") else label)
             line_groups[line_labels[-1]] = label  # a cell's seeds: one colour, one legend entry
         targets = {c.get("labels", {}).get("target_metric") for c, _ in members} - {None}
@@ -463,6 +466,17 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
         "fig_breakdown": _fig_breakdown(data),
     }
     return _env().get_template("study.html").render(**context)
+
+
+def _distinct_line_names(members: list[tuple[dict, RunData]], names: list[str]) -> list[str]:
+    """Cells that the strategy name (and world size) cannot tell apart, such as a sweep's cells that
+    differ in a knob, are named by their group (the cell key without the seed), so that no line
+    hides another."""
+    groups_per_name: dict[str, set[str]] = {}
+    for (c, _), name in zip(members, names):
+        groups_per_name.setdefault(name, set()).add(str(c.get("labels", {}).get("group", c["key"])))
+    return [name if len(groups_per_name[name]) == 1 else str(c.get("labels", {}).get("group", c["key"]))
+            for (c, _), name in zip(members, names)]
 
 
 def write_report(html: str, path: Path) -> None:

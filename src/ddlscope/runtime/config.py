@@ -23,6 +23,9 @@ DEFAULT_WORKLOAD = "mlp-digits"
 DEFAULT_STRATEGY = "ddp"
 TOP_LEVEL = ("name", "seed", "save_model_path", "checkpoint_dir", "trace_steps")
 SECTIONS = (*TOP_LEVEL, "workload", "strategy", "cluster")
+# The sections whose knobs depend on the plugin `name` picks: its registry and default name.
+PLUGIN_SECTIONS: dict[str, tuple[Registry[Any], str]] = {
+    "workload": (WORKLOADS, DEFAULT_WORKLOAD), "strategy": (STRATEGY_SPECS, DEFAULT_STRATEGY)}
 
 
 def load_experiment(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Experiment:
@@ -90,6 +93,15 @@ def experiment_from_json(text: str) -> Experiment:
 
 def experiment_to_dict(exp: Experiment) -> dict[str, Any]:
     return exp.model_dump(mode="json")
+
+
+def plugin_spec_class(section: str, name: str | None) -> type[BaseModel] | None:
+    """The spec class of the workload or strategy `name` (the section's default for None), None if unknown."""
+    registry, default = PLUGIN_SECTIONS[section]
+    if (name or default) not in registry:
+        return None
+    plugin = registry.get(name or default)
+    return getattr(plugin, "spec_class", plugin)
 
 
 def _plugin_spec(registry: Registry[Any], section: str, raw: Any, default: str) -> BaseModel:

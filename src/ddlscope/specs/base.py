@@ -20,6 +20,8 @@ def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
     first = err.errors(include_url=False)[0]
     loc = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
     value = first.get("input")
+    if first["type"] == "missing":  # the input is the whole table: naming the field says it all
+        return f"{loc}: required, missing"
     if first["type"] == "extra_forbidden":
         allowed = ", ".join(sorted(_allowed_fields(err.title, first["loc"])))
         return f"{loc} = {value!r}: unknown field; allowed: {allowed}"

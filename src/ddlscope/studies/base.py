@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,8 +10,11 @@ from typing import Any, Callable, ClassVar
 
 from ddlscope.analysis.summary import Summary, summarize
 from ddlscope.runtime.config import experiment_from_dict, experiment_to_dict
-from ddlscope.specs import Experiment
+from ddlscope.specs import Experiment, is_baseline
 from ddlscope.store import Run, Store
+
+
+MAX_REPEATS = 10  # seeds per cell, at most
 
 
 @dataclass
@@ -39,6 +43,9 @@ class Findings:
 
 class Study(ABC):
     description: ClassVar[str]
+    # False for a study that checks no published claims (a user's sweep): its report and terminal
+    # summary leave the headline table out instead of showing an empty one.
+    has_headlines: ClassVar[bool] = True
 
     @abstractmethod
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
@@ -100,3 +107,68 @@ def run_cells(study_name: str, cells: list[Cell], db: Path, fresh: bool,
 
 class StudyCellFailed(RuntimeError):
     pass
+
+
+# ---------------------------------------------------------------------------- the cell table
+@dataclass
+class CellRow:
+    """One line of a study's cell table: the numbers comparisons should use."""
+
+    key: str
+    step_s: float | None  # effective: CPU-derived when ranks share cores
+    throughput: float | None  # samples/s at that step time
+    speedup: float | None  # vs the study's one-process cell, None without one
+    accuracy: float | None
+    wall_s: float | None
+    staleness: float | None  # parameter servers: mean versions behind
+
+
+def cell_rows(results: list[CellResult]) -> list[CellRow]:
+    """The cell table every study prints; memory cells get no speedup (they time nothing comparable)."""
+    baselines = [r for r in results if is_one_process(r)]
+    rows = []
+    for r in results:
+        s = r.summary
+        base = _baseline_for(r, baselines)
+        mine, theirs = effective_throughput(s), effective_throughput(base.summary) if base else None
+        speedup = mine / theirs if mine and theirs and r.cell.labels.get("part", "accuracy") == "accuracy" else None
+        accuracy = s.final_eval["metric"] if s.final_eval and s.final_eval["metric_name"] == "accuracy" else None
+        rows.append(CellRow(r.cell.key, s.effective_step_s, mine, speedup, accuracy, s.effective_wall_s,
+                            s.staleness["mean"] if s.staleness else None))
+    return rows
+
+
+def effective_throughput(summary: Summary) -> float | None:
+    """Samples per second at the effective step time (the stored throughput uses the wall-clock step)."""
+    s = summary
+    if not (s.throughput_samples_per_s and s.mean_step_s and s.effective_step_s):
+        return None
+    return s.throughput_samples_per_s * s.mean_step_s / s.effective_step_s
+
+
+def is_one_process(result: CellResult) -> bool:
+    """Whether the cell's strategy trains on one process: a speedup's denominator."""
+    return is_baseline((result.run.config.get("strategy") or {}).get("name", ""))
+
+
+def _baseline_for(result: CellResult, baselines: list[CellResult]) -> CellResult | None:
+    """The one-process cell training the same workload, else the first one-process cell.
+
+    Throughputs compare across batch sizes; the fallback keeps cells that only
+    change a hyperparameter (the paper's momentum-compensated cell) against
+    the study's one baseline.
+    """
+    workload = result.run.config.get("workload")
+    same = [b for b in baselines if b.run.config.get("workload") == workload]
+    return (same or baselines or [None])[0]
+
+
+def measurement_notes(results: list[CellResult]) -> list[str]:
+    """The run notes a study should repeat: shared cores and emulated networks, once each."""
+    return sorted({n for r in results for n in r.summary.notes if "shared" in n or "emulated" in n})
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    """The median of the values present; None when there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ddlscope.specs import STRATEGY_SPECS, strategy_specs
 from ddlscope.studies import STUDIES
-from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell
+from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes
 
 # Batch 256 gives each rank as much compute per byte of gradient as digits
 # allow; 100 steps (~18 epochs) of SGD reach 95% test accuracy when training
@@ -387,8 +387,7 @@ class _Analysis:
         return out
 
     def _notes(self) -> list[str]:
-        notes = sorted({n for r in self.results for n in r.summary.notes
-                        if "shared" in n or "emulated" in n})
+        notes = measurement_notes(self.results)
         seeds = max((len(members) for members in self.groups.values()), default=1)
         if seeds > 1:
             notes.append(f"Parameter-server cells ran with {seeds} seeds (their updates apply in arrival order, so "
