@@ -116,7 +116,7 @@ def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
     results, findings = outcome.results, outcome.findings
     reused = sum(r.reused for r in results)
     out.print(f"[bold]{kind} {outcome.name}[/bold]: {len(results)} cells ({reused} reused from the store)")
-    out.print(cell_table(results))
+    out.print(cell_table(results, outcome.study.cell_columns))
     if outcome.study.has_headlines:
         headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
         for h in findings.headlines:
@@ -128,7 +128,7 @@ def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
         out.print(f"[yellow]note:[/yellow] {note}")
 
 
-def cell_table(results: list[CellResult]) -> Table:
+def cell_table(results: list[CellResult], titles: tuple[str, ...]) -> Table:
     """One row per cell; a column no cell has a value for (speedup without a one-process cell,
     staleness without a parameter server) is left out."""
     from ddlscope.studies.base import cell_rows
@@ -142,7 +142,7 @@ def cell_table(results: list[CellResult]) -> Table:
         "wall s": [_num(r.wall_s, 1, "{:.1f}") for r in rows],
         "staleness": [_num(r.staleness, 1, "{:.2f}") for r in rows],
     }
-    shown = {title: values for title, values in columns.items() if any(v != "-" for v in values)}
+    shown = {title: columns[title] for title in titles if any(v != "-" for v in columns[title])}
     # A cell's key is what the store names its run (NAME:KEY): wrapped, never cut to '…'
     table = Table(Column("cell", overflow="fold"), *shown, box=None, pad_edge=False)
     for i, row in enumerate(rows):

@@ -46,6 +46,8 @@ class Study(ABC):
     # False for a study that checks no published claims (a user's sweep): its report and terminal
     # summary leave the headline table out instead of showing an empty one.
     has_headlines: ClassVar[bool] = True
+    # The cell table's figures (cli/study.py), in order; a column no cell has a value for is left out.
+    cell_columns: ClassVar[tuple[str, ...]] = ("step ms", "speedup", "accuracy", "wall s", "staleness")
 
     @abstractmethod
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:

@@ -107,6 +107,8 @@ def load_sweep(path: str | Path) -> tuple[SweepStudy, list[Cell]]:
 class SweepStudy(Study):
     description = "a user's grid of experiments (ddlscope sweep GRID.toml)"
     has_headlines = False  # a sweep checks no published claims
+    # without headlines, throughput is what a grid is usually compared by
+    cell_columns = ("step ms", "samples/s", "speedup", "accuracy", "wall s", "staleness")
 
     def __init__(self, spec: SweepSpec):
         self.spec = spec
