@@ -99,7 +99,7 @@ def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[
         cores=int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1),
         link=emulated_link(environment), profile=profile, facts=facts,
         alone_s=facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw,
-        op_s=op_s, memory_bandwidth=mem_bw, optimizer_kind=opt_kind,
+        op_s=op_s, memory_bandwidth_bytes_per_s=mem_bw, optimizer_kind=opt_kind,
         per_tensor_s=float(2 * op_s if compute.optimizer_tensor_s is None else compute.optimizer_tensor_s)
         * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2)
 
@@ -123,7 +123,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     estimator = estimator_for(spec)
     case = local_case(config, environment, facts, profile)
     profile = case.profile
-    world, op_s, mem_bw = case.world, case.op_s, case.memory_bandwidth
+    world, op_s, mem_bw = case.world, case.op_s, case.memory_bandwidth_bytes_per_s
     # Servers sleep in recv while the workers compute: only the workers contend for cores then.
     oversubscription = oversubscription_of(world, case.cores)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ddlscope.predict.catalogue import Cluster
 from ddlscope.calibrate.model import STATE_TENSORS
 from ddlscope.calibrate.profile import CalibrationProfile
+from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.strategies import ServerSpec, StrategyEstimate, Workload
 from ddlscope.specs import StrategySpec
 
@@ -42,8 +42,8 @@ class LocalCase:
     profile: CalibrationProfile  # the calibration
     facts: dict[str, Any]  # the workload's FLOPs, ops and tensor sizes (the step profiler's)
     alone_s: float  # one rank's compute with the machine to itself
-    op_s: float  # per-op overhead
-    memory_bandwidth: float  # bytes/s
+    op_s: float  # per-op overhead, seconds
+    memory_bandwidth_bytes_per_s: float
     optimizer_kind: str  # sgd, sgd-momentum, adamw
     per_tensor_s: float  # the optimizer's per-tensor overhead
 

@@ -43,7 +43,7 @@ class PSEstimator(Estimator):
         equal speed arrive together and are served in turn, so the mean one queues behind half of the
         others, and a step lasts at least workers x (its share of the round + update)), then
         unflattens them."""
-        world, servers, mem_bw = case.world, spec.servers, case.memory_bandwidth
+        world, servers, mem_bw = case.world, spec.servers, case.memory_bandwidth_bytes_per_s
         per_server = case.param_bytes / servers
         apply_s = case.per_tensor_s + server_apply_passes(spec, world, case.optimizer_kind) * per_server / mem_bw
         blocks = len(spec.blocks_pushed(0, 0))  # a block-cyclic worker exchanges one block a step
