@@ -4,7 +4,10 @@ Per step and rank it records wall time split into data, forward, backward
 (compute, with overlapped communication hidden inside it), exposed
 communication wait and optimizer; the parts add up to the step's wall time.
 It also records samples, loss, bytes sent and the thread CPU time of the
-compute phases (what oversubscribed ranks really got to compute).
+compute phases (what oversubscribed ranks really got to compute). The step
+itself is the strategy's `train_step`, timed through the PhaseTimer it is
+handed (runtime/timer.py), so a strategy that owns its step is measured the
+same way.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class Strategy(ABC):
         strategy that owns its step overrides this and marks its phases on
         `timer`; the runtime turns them into the step's breakdown.
         """
-        assert self.model is not None and self.optimizer is not None and self.loss_fn is not None
+        if self.model is None or self.optimizer is None or self.loss_fn is None:
+            raise RuntimeError("train_step before attach(): the runtime attaches the model, optimizer and loss")
         x, y = batch
         with timer.phase("forward"):
             loss = self.loss_fn(self.model(x), y)
