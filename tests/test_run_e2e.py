@@ -92,6 +92,9 @@ def test_catalogues_list_registered_plugins(cli):
     strategies = cli("strategies", timeout_s=60)
     assert strategies.returncode == 0 and "ddp" in strategies.stdout and "single" in strategies.stdout
     assert "bucket_mb" in strategies.stdout
+    # each strategy's traits, as its spec declares them
+    assert "server, async, optimizer on servers" in strategies.stdout
+    assert "collective, sync, sharded states" in strategies.stdout
     workloads = cli("workloads", timeout_s=60)
     for name in ("mlp-digits", "cnn-digits", "gpt-char", "gpt-synthetic"):
         assert name in workloads.stdout

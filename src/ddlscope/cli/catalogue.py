@@ -13,8 +13,21 @@ def strategies() -> None:
     """List the registered strategies and their knobs."""
     from ddlscope.specs import strategy_specs
 
-    _print_catalogue("strategy", [(cls.model_fields["name"].default, cls) for cls in strategy_specs()],
-                     base_fields={"name"})
+    table = Table("strategy", "traits", "description", "knobs (default)")
+    for cls in strategy_specs():
+        table.add_row(cls.model_fields["name"].default, traits_text(cls.traits), cls.description,
+                      _knobs(cls, {"name"}))
+    console.print(table)
+
+
+def traits_text(traits: Any) -> str:
+    """What a strategy's traits say, in a few words: family, synchronous or not, what it shards."""
+    words = [traits.family, "sync" if traits.synchronous else "async"]
+    if traits.shards_model_states:
+        words.append("sharded states")
+    if not traits.local_optimizer:
+        words.append("optimizer on servers")
+    return ", ".join(words)
 
 
 def workloads() -> None:
@@ -28,8 +41,9 @@ def workloads() -> None:
 def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[str]) -> None:
     table = Table(kind, "description", "knobs (default)")
     for name, plugin in items:
-        spec_class = getattr(plugin, "spec_class", plugin)  # a workload plugin, or a strategy's spec class
-        knobs = ", ".join(f"{k}={f.default!r}" for k, f in spec_class.model_fields.items()
-                          if k not in base_fields)
-        table.add_row(name, plugin.description, knobs or "-")
+        table.add_row(name, plugin.description, _knobs(plugin.spec_class, base_fields))
     console.print(table)
+
+
+def _knobs(spec_class: Any, base_fields: set[str]) -> str:
+    return ", ".join(f"{k}={f.default!r}" for k, f in spec_class.model_fields.items() if k not in base_fields) or "-"
