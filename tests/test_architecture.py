@@ -110,7 +110,7 @@ def test_every_strategy_is_whole(spec_class):
     from ddlscope.predict.estimators import ESTIMATORS
     from ddlscope.strategies import RUNTIMES, Strategy
 
-    name = spec_class.model_fields["name"].default
+    name = spec_class.registered_name
     assert spec_class.description.strip() and spec_class.advice.strip(), f"{name}: description and advice"
     runtime = RUNTIMES.find(spec_class)
     assert runtime is not None and issubclass(runtime, Strategy), f"{name} has no runtime class"

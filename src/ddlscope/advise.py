@@ -54,11 +54,7 @@ def _reference_syncs() -> tuple[str, str]:
     specs = strategy_specs()
     server = next(c for c in specs if c.traits.family == "server" and c.traits.synchronous)
     collective = next(c for c in specs if c.traits.family == "collective" and c.traits.synchronous)
-    return _name(server), _name(collective)
-
-
-def _name(cls: type[StrategySpec]) -> str:
-    return cls.model_fields["name"].default
+    return server.registered_name, collective.registered_name
 
 
 # ---------------------------------------------------------------------------- workload profile

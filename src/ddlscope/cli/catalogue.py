@@ -15,7 +15,7 @@ def strategies() -> None:
 
     table = Table("strategy", "traits", "description", "knobs (default)")
     for cls in strategy_specs():
-        table.add_row(cls.model_fields["name"].default, traits_text(cls.traits), cls.description,
+        table.add_row(cls.registered_name, traits_text(cls.traits), cls.description,
                       _knobs(cls, {"name"}))
     console.print(table)
 

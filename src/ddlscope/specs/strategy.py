@@ -52,6 +52,7 @@ class StrategySpec(Spec):
 
     traits: ClassVar[Traits]
     description: ClassVar[str]  # one line for `ddlscope strategies`
+    registered_name: ClassVar[str]  # set by the registry (strategy_spec): the name a config gives
     advice: ClassVar[str]  # what the main study's decision framework says of it (advise's recommendation)
 
     name: str = Field(description="registered strategy name")

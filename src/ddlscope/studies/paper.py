@@ -44,7 +44,7 @@ STRAGGLER_SLOWDOWN = 2.0
 QUICK_WORKERS = 2
 # The study's subjects, by their traits: the collective strategies (DDP, FSDP) and the
 # parameter-server architectures, simplest first.
-DISTRIBUTED = tuple(c.model_fields["name"].default for c in strategy_specs() if c.traits.family in ("collective", "server"))
+DISTRIBUTED = tuple(c.registered_name for c in strategy_specs() if c.traits.family in ("collective", "server"))
 PS_FAMILY = tuple(name for name in DISTRIBUTED if STRATEGY_SPECS.get(name).traits.family == "server")
 
 
