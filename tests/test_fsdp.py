@@ -106,8 +106,10 @@ def test_fsdp_writes_a_dcp_checkpoint_of_the_final_model(ddp_and_fsdp):
     import torch.distributed.checkpoint as dcp
 
     folder, _, _ = ddp_and_fsdp
-    checkpoint = folder / "checkpoint"
-    assert (checkpoint / ".metadata").exists() and len(list(checkpoint.glob("*.distcp"))) == 2
+    sealed = sorted((folder / "checkpoint").glob("step-*"))  # naming checkpoint_dir checkpoints the last step
+    assert [p.name for p in sealed] == [f"step-{STEPS:08d}"]
+    checkpoint = sealed[0]
+    assert (checkpoint / "manifest.json").exists() and (checkpoint / ".metadata").exists() and len(list(checkpoint.glob("*.distcp"))) == 2
     state = {"model": {k: torch.zeros_like(v) for k, v in _gpt_model().state_dict().items()}}
     dcp.load(state, checkpoint_id=str(checkpoint))  # one process reads both ranks' shards
     final = torch.load(folder / "fsdp.pt")

@@ -270,6 +270,15 @@ class Store:
                 counts[kind] += 1
         return counts
 
+    def forget_rows_from(self, run_id: int, step: int) -> None:
+        """Drop a run's rows of steps >= `step` (and its memory rows, measured at the end): a resumed run
+        writes them again from its checkpoint. Events stay: they are the run's history."""
+        with self.transaction() as c:
+            c.execute("DELETE FROM steps WHERE run_id=? AND step>=?", (run_id, step))
+            c.execute("DELETE FROM evals WHERE run_id=? AND step>=?", (run_id, step))
+            c.execute("DELETE FROM updates WHERE run_id=? AND worker_step>=?", (run_id, step))
+            c.execute("DELETE FROM memory WHERE run_id=?", (run_id,))
+
     def add_event(self, run_id: int, kind: str, message: str, rank: int = -1) -> None:
         """An event from the launcher itself (rank -1)."""
         with self.transaction() as c:

@@ -58,6 +58,8 @@ class Summary:
     hfu: float | None = None  # achieved hardware FLOP/s / peak, mean over ranks
     mfu_by_rank: dict[int, float] = field(default_factory=dict)
     flops_basis: str | None = None
+    final_params_sha256: str | None = None  # hash of the final full parameters (runtime/checkpoint.params_sha256)
+    restarts: int = 0  # times the worker group was restarted (elastic) or the run resumed
 
     @property
     def timing_basis(self) -> str:
@@ -144,7 +146,21 @@ def summarize(store: Store, run: Run) -> Summary:
         straggler_steps=_straggler_steps(by_step), notes=_notes(run),
     )
     _add_utilization(summary, store, run)
+    _add_recovery(summary, store, run)
     return summary
+
+
+def _add_recovery(summary: Summary, store: Store, run: Run) -> None:
+    """The final parameters' hash, and how often the run was restarted or resumed (from its events)."""
+    attempts = set()
+    for event in store.events(run.id):
+        if event["kind"] == "final_params":
+            summary.final_params_sha256 = event["message"].partition("sha256=")[2] or None
+        elif event["kind"] == "restart" and event["rank"] == 0:
+            attempts.add(("restart", event["message"]))
+        elif event["kind"] == "resumed":
+            attempts.add(("resumed", event["seq"]))
+    summary.restarts = len(attempts)
 
 
 def _add_utilization(summary: Summary, store: Store, run: Run) -> None:

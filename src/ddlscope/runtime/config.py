@@ -21,7 +21,8 @@ from ddlscope.workloads import WORKLOADS
 
 DEFAULT_WORKLOAD = "mlp-digits"
 DEFAULT_STRATEGY = "ddp"
-TOP_LEVEL = ("name", "seed", "save_model_path", "checkpoint_dir", "trace_steps")
+TOP_LEVEL = ("name", "seed", "save_model_path", "checkpoint_dir", "checkpoint_every", "checkpoint_every_s",
+             "trace_steps")
 SECTIONS = (*TOP_LEVEL, "workload", "strategy", "cluster")
 # The sections whose knobs depend on the plugin `name` picks: its registry and default name.
 PLUGIN_SECTIONS: dict[str, tuple[Registry[Any], str]] = {

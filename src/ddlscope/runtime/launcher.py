@@ -32,13 +32,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import ddlscope
+from ddlscope.runtime.checkpoint import complete_steps, latest_checkpoint
 from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
+from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.netns import ShapedNetwork
 from ddlscope.runtime.rows import done_pids, rank_file, read_records, run_files
 from ddlscope.runtime.worker import worker_main
 from ddlscope.specs import ConfigError, Experiment
-from ddlscope.store import Store
+from ddlscope.store import Run, Store
 
 RDZV_ID = "ddlscope"
 
@@ -90,45 +92,74 @@ def run_dir_for(store_path: Path, run_uuid: str) -> Path:
 
 
 def launch(exp: Experiment, store_path: Path,
-           on_progress: Callable[[dict[str, Any]], None] | None = None) -> LaunchResult:
+           on_progress: Callable[[dict[str, Any]], None] | None = None, resume: Run | None = None) -> LaunchResult:
     """Run one experiment to the end and return how it went. Never leaves a run marked running.
 
-    In `shaped` network mode the ranks' namespaces live for the whole launch and
-    are removed whatever happens; when this machine cannot shape, ShapingUnavailable
-    (a ConfigError, one line) is raised before the run is created.
+    `resume`: a stored run (interrupted or failed) to continue from its newest checkpoint, under the
+    same id; its rows from that checkpoint on are replaced. In `shaped` network mode the ranks'
+    namespaces live for the whole launch and are removed whatever happens; when this machine cannot
+    shape, ShapingUnavailable (a ConfigError, one line) is raised before the run is created.
     """
     cluster = exp.cluster
     if cluster.network.mode != "shaped":
-        return _launch(exp, store_path, on_progress)
+        return _launch(exp, store_path, on_progress, resume=resume)
     if cluster.nnodes > 1:
         raise ConfigError(f"cluster.network.mode = 'shaped' runs on one node; cluster.nnodes = {cluster.nnodes} "
                           "(use mode = 'emulated' across nodes)")
     _, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
     nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
     with ShapedNetwork(nprocs, network_record["shaped_bandwidth_bytes_per_s"]) as shaped:
-        return _launch(exp, store_path, on_progress, shaped)
+        return _launch(exp, store_path, on_progress, shaped, resume)
+
+
+def checkpoint_root(exp: Experiment, run_dir: Path) -> Path:
+    """Where a run's checkpoints go: the experiment's checkpoint_dir, or the run's own folder."""
+    return Path(exp.checkpoint_dir) if exp.checkpoint_dir else run_dir / "checkpoints"
+
+
+def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | None) -> tuple[int, Path]:
+    """Create the run's row (or take the resumed one back) and its folder: (run id, run folder)."""
+    if resume is not None:
+        run_dir = run_dir_for(store_path, resume.uuid)
+        found = latest_checkpoint(checkpoint_root(exp, run_dir), exp)
+        from_step = found.step if found else 0
+        store.forget_rows_from(resume.id, from_step)
+        store.add_event(resume.id, "resumed", f"from the checkpoint after step {from_step}" if found
+                        else "no checkpoint: from step 0")
+        return resume.id, run_dir
+    run_uuid = uuid.uuid4().hex
+    run_dir = run_dir_for(store_path, run_uuid)
+    if exp.checkpoint_dir and complete_steps(Path(exp.checkpoint_dir)):
+        raise ConfigError(f"checkpoint_dir {exp.checkpoint_dir} already holds checkpoints: continue that run with "
+                          "`ddlscope run --resume RUN`, or name an empty folder")
+    cluster = exp.cluster
+    link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
+    env_record = {**environment(), "network": network_record, "ranks": cluster.world_size,
+                  "extra_ranks": exp.strategy.extra_ranks()}
+    run_id = store.create_run(
+        uuid=run_uuid, name=exp.name, workload=exp.workload.name, strategy=exp.strategy.name,
+        world_size=cluster.world_size, config=experiment_to_dict(exp), code_version=code_version(),
+        seed=exp.seed, environment=env_record)
+    return run_id, run_dir
 
 
 def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, Any]], None] | None,
-            shaped: ShapedNetwork | None = None) -> LaunchResult:
+            shaped: ShapedNetwork | None = None, resume: Run | None = None) -> LaunchResult:
     cluster = exp.cluster
-    run_uuid = uuid.uuid4().hex
     link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
     if shaped:
         network_record.update(shaped.record())
-    env_record = {**environment(), "network": network_record, "ranks": cluster.world_size,
-                  "extra_ranks": exp.strategy.extra_ranks()}
     store: Store | None = None
     run_id: int | None = None
     if cluster.node_rank == 0:
         store = Store(store_path)
-        run_id = store.create_run(
-            uuid=run_uuid, name=exp.name, workload=exp.workload.name, strategy=exp.strategy.name,
-            world_size=cluster.world_size, config=experiment_to_dict(exp), code_version=code_version(),
-            seed=exp.seed, environment=env_record)
-        run_dir = run_dir_for(store_path, run_uuid)
+        try:
+            run_id, run_dir = _open_run(exp, store, store_path, resume)
+        except BaseException:
+            store.close()
+            raise
     else:
-        run_dir = run_dir_for(store_path, f"{run_uuid}-node{cluster.node_rank}")
+        run_dir = run_dir_for(store_path, f"{uuid.uuid4().hex}-node{cluster.node_rank}")
     run_dir.mkdir(parents=True, exist_ok=True)
 
     nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
@@ -138,16 +169,22 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     progress = _start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
     reaper = ExitReaper(run_dir, nprocs)
     reaper.start()
+    first_rank = cluster.node_rank * cluster.procs_per_node
+    local_ranks = list(range(first_rank, first_rank + cluster.procs_per_node)) \
+        + list(range(cluster.world_size, cluster.world_size + exp.strategy.extra_ranks()))
+    watchdog = Watchdog(run_dir, local_ranks, cluster.hang_timeout_s, _end_hung_run,
+                        startup_s=HANG_STARTUP_S + max(cluster.start_delay_s, default=0.0))
+    watchdog.start()
     status, error = "finished", None
     try:
         launch_processes(
             worker_main, (exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "",
-                          shaped.worker_json() if shaped else ""), nprocs,
+                          shaped.worker_json() if shaped else "", str(checkpoint_root(exp, run_dir))), nprocs,
             # Launchers of one multi-node run share the id; a local run gets its own, so two
             # runs on one machine can never join each other's rendezvous.
-            run_id=RDZV_ID if cluster.rdzv_endpoint else f"{RDZV_ID}-{run_uuid[:12]}",
+            run_id=RDZV_ID if cluster.rdzv_endpoint else f"{RDZV_ID}-{run_dir.name[:12]}",
             rdzv_endpoint=cluster.rdzv_endpoint, nnodes=cluster.nnodes, is_host=cluster.node_rank == 0,
-            log_dir=run_dir / "logs", threads_per_rank=cluster.threads_per_rank)
+            log_dir=run_dir / "logs", threads_per_rank=cluster.threads_per_rank, max_restarts=cluster.max_restarts)
     except ChildFailedError as exc:
         status, error = "failed", _first_failure(exc)
         if reaper.killed:  # every rank had finished; only their exit hung
@@ -160,8 +197,11 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     finally:
         stop_progress.set()
         reaper.stop()
+        watchdog.stop()
         if progress:
             progress.join(timeout=5)
+    if watchdog.message:  # the watchdog ended the run (through SIGTERM to this process)
+        status, error = "failed", watchdog.message
 
     result = LaunchResult(status, run_id, run_dir, error)
     if store is None or run_id is None:
@@ -169,12 +209,16 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     try:
         result.rows = ingest_run_dir(store, run_id, run_dir)
         expected = exp.workload.steps * cluster.world_size
-        if status == "finished" and result.rows.get("step", 0) != expected:
+        if status == "finished" and store.count_steps(run_id) != expected:
             result.status = "failed"
-            result.error = f"expected {expected} step rows, got {result.rows.get('step', 0)}"
+            result.error = f"expected {expected} step rows, got {store.count_steps(run_id)}"
         if reaper.killed:
             store.add_event(run_id, "exit_hang", f"every rank had finished, but pids {reaper.killed} did not exit "
                                                  f"within {reaper.grace_s:.0f} s (a torch/gloo teardown hang): killed")
+        if watchdog.message:
+            store.add_event(run_id, "hang", watchdog.message)
+        elif result.status == "interrupted":
+            store.add_event(run_id, "interrupted", result.error or "")
         store.mark_done(run_id, result.status, result.error)
     finally:
         store.close()
@@ -183,14 +227,33 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     return result
 
 
+# Before the first step, a rank may take this long to start (rendezvous, building the model) before
+# the watchdog calls it hung; cluster.hang_timeout_s is added to it.
+HANG_STARTUP_S = 300.0
+
+
+def _end_hung_run(message: str, pids: list[int]) -> None:
+    """The watchdog found a hang: stop the elastic agent (a SIGTERM to this process, which the agent
+    turns into an orderly shutdown without restarts) and kill every rank at once (a stopped rank
+    cannot act on anything gentler)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs: int, *, run_id: str,
                      rdzv_endpoint: str | None = None, nnodes: int = 1, is_host: bool = True,
-                     log_dir: Path | None = None, threads_per_rank: int = 1) -> dict[int, Any]:
+                     log_dir: Path | None = None, threads_per_rank: int = 1, max_restarts: int = 0) -> dict[int, Any]:
     """Run `entrypoint(*args)` in `nprocs` processes on this node through torch's elastic launcher,
     and return what each local rank returned. The one place ddlscope starts processes: training
     runs (`launch`) and calibrate's probes.
 
-    c10d rendezvous at `rdzv_endpoint` (default: 127.0.0.1 and a free port), spawn, no restarts.
+    c10d rendezvous at `rdzv_endpoint` (default: 127.0.0.1 and a free port), spawn. When a rank dies,
+    the agent restarts the whole group up to `max_restarts` times (the workers continue from their
+    newest checkpoint).
     `is_host`: this node hosts the rendezvous store (node 0; on one machine every launcher of a
     multi-node run would otherwise try to). `log_dir`: each rank's stdout and stderr go there
     (default: to this process's console). Failures raise as elastic_launch raises them
@@ -203,7 +266,7 @@ def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id, rdzv_backend="c10d",
         rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": is_host, "timeout": 600},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
         **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
     quiet_torch_logging()
     with _environment_variable("OMP_NUM_THREADS", str(threads_per_rank)):  # the spawned ranks inherit it

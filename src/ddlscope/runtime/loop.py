@@ -23,7 +23,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ddlscope.runtime.checkpoint import Checkpointer, rng_state, set_rng_state
 from ddlscope.runtime.data import GlobalBatchSampler
+from ddlscope.runtime.heartbeat import Heartbeat
 from ddlscope.runtime.instrument import (
     ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter
@@ -52,40 +54,53 @@ def make_optimizer(model: nn.Module, spec: WorkloadSpec) -> torch.optim.Optimize
 
 
 def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
-          on_step: Callable[[int], None] | None = None, traces_dir: Path | None = None) -> LoopResult:
+          on_step: Callable[[int], None] | None = None, traces_dir: Path | None = None,
+          checkpointer: Checkpointer | None = None, heartbeat: Heartbeat | None = None) -> LoopResult:
+    """Train from step 0, or from the newest checkpoint when `checkpointer` finds one (a restart or a
+    resume), to the workload's last step."""
     exp = ctx.experiment
     spec = exp.workload
     device = ctx.device
     model = strategy.wrap(task.model.to(device))
     optimizer = make_optimizer(model, spec)
     strategy.attach(model, optimizer, task.loss_fn)
+    if heartbeat is not None:
+        strategy.comm.on_launch = heartbeat.comm
+    straggler = _Straggler(exp, ctx.rank)
+    first_step = _restore(checkpointer, model, optimizer, strategy, straggler, writer)
     sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
     per_rank = exp.per_rank_batch()
     data_rank = ctx.rank if exp.strategy.traits.splits_global_batch else 0
-    memory_step = min(1, spec.steps - 1)  # step 0 pays one-off costs (buckets, lazy init)
+    memory_step = min(first_step + 1, spec.steps - 1)  # the first step pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
     eval_s = 0.0
     evaluator = _Evaluator(task, model, strategy, ctx, writer)
     tracer = StepTracer(exp.trace_steps, spec.steps, traces_dir, ctx.rank, device, writer)
-    straggler = _Straggler(exp, ctx.rank)
     measuring = False
 
     def measure_gradients() -> None:
         if measuring:
             memory["gradients"] = gradient_bytes(model)
 
-    # a shared no-op label unless this step is traced
-    timer = PhaseTimer(device, tracer.phase, straggler.after_forward, measure_gradients)
+    def phase_label(name: str):  # type: ignore[no-untyped-def]
+        if heartbeat is not None:
+            heartbeat.beat(phase=name)
+        return tracer.phase(name)  # a shared no-op label unless this step is traced
+
+    timer = PhaseTimer(device, phase_label, straggler.after_forward, measure_gradients)
     loss_value = float("nan")
 
     writer.event("train_start", f"per_rank_batch={per_rank}")
     device_sync(device)
     start = clock()
     crash_steps = {f.step for f in exp.cluster.faults if f.rank == ctx.rank}
-    for step in range(spec.steps):
-        if step in crash_steps:
+    paused_s = 0.0  # checkpoints: not training time
+    for step in range(first_step, spec.steps):
+        if step in crash_steps and first_step == 0:  # an injected fault strikes the first attempt only
             _crash(writer, step)
+        if heartbeat is not None:
+            heartbeat.beat(step=step)
         measuring = step == memory_step
         tracer.before_step(step)
         timer.start(clock())
@@ -114,9 +129,18 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         if on_step:
             on_step(step)
         if _eval_due(step, spec):
-            eval_s += evaluator.at(step, clock() - start - eval_s)
+            eval_s += evaluator.at(step, clock() - start - eval_s - paused_s)
+        if checkpointer is not None and checkpointer.enabled and checkpointer.due(step + 1):
+            began = clock()
+            if heartbeat is not None:
+                heartbeat.beat(phase="checkpoint")
+            evaluator.evaluate_snapshots()  # what a checkpoint makes durable includes the evaluations so far
+            rank_state = {"rng": rng_state(), "strategy": strategy.checkpoint_state(), "straggler": straggler.state()}
+            sealed = checkpointer.save(step + 1, model, optimizer, rank_state)
+            writer.event("checkpoint", f"step={step + 1}" + (f" path={sealed}" if sealed else ""))
+            paused_s += clock() - began
 
-    train_s = clock() - start - eval_s
+    train_s = clock() - start - eval_s - paused_s
     tracer.finish()
     strategy.finish(model)
     evaluator.evaluate_snapshots()
@@ -124,6 +148,22 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     writer.write("memory", bytes=memory)
     writer.event("train_end", f"train_s={train_s:.3f}")
     return LoopResult(spec.steps, train_s, loss_value, model, optimizer)
+
+
+def _restore(checkpointer: Checkpointer | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+             strategy: Strategy, straggler: "_Straggler", writer: RowWriter) -> int:
+    """Continue from the newest checkpoint, if any: the first step to run."""
+    if checkpointer is None:
+        return 0
+    steps_done, state = checkpointer.restore(model, optimizer)
+    if not steps_done:
+        return 0
+    set_rng_state(state["rng"])
+    strategy.restore_checkpoint_state(state["strategy"])
+    straggler.restore(state["straggler"])
+    dropped = writer.drop_after(steps_done)
+    writer.event("restored", f"from the checkpoint after step {steps_done}; {dropped} rows of later steps dropped")
+    return steps_done
 
 
 class _Straggler:
@@ -135,6 +175,16 @@ class _Straggler:
         self.jitter = exp.cluster.jitter
         self.rng = random.Random(exp.seed * 7919 + rank) if self.jitter else None
         self.backward_per_forward_s: float | None = None  # the last step's, not known at the first
+
+    def state(self) -> dict[str, object]:
+        return {"rng": list(self.rng.getstate()[1]) if self.rng else None,
+                "rng_version": self.rng.getstate()[0] if self.rng else 0,
+                "backward_per_forward_s": self.backward_per_forward_s}
+
+    def restore(self, state: dict[str, object]) -> None:
+        if self.rng and state.get("rng") is not None:
+            self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))  # type: ignore[arg-type]
+        self.backward_per_forward_s = state.get("backward_per_forward_s")  # type: ignore[assignment]
 
     def learn(self, backward_compute_s: float, forwards: int) -> None:
         """The step's backward compute, shared over its forward passes (micro-batches)."""

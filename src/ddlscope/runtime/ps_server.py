@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddlscope.runtime.checkpoint import Checkpointer, latest_checkpoint, load_trusted, partial_dir, write_atomically
+from ddlscope.runtime.heartbeat import Heartbeat
 from ddlscope.runtime.instrument import optimizer_state_bytes, peak_process_bytes
 from ddlscope.runtime.loop import make_optimizer
 from ddlscope.runtime.rows import RowWriter
@@ -34,11 +36,12 @@ clock = time.perf_counter
 
 
 class _Server:
-    def __init__(self, task: Task, strategy: ParameterServer, ctx: RunContext, writer: RowWriter):
+    def __init__(self, task: Task, strategy: ParameterServer, ctx: RunContext, writer: RowWriter,
+                 checkpointer: Checkpointer | None = None, heartbeat: Heartbeat | None = None):
         self.spec = strategy.spec
-        self.ctx, self.writer = ctx, writer
+        self.ctx, self.writer, self.checkpointer, self.heartbeat = ctx, writer, checkpointer, heartbeat
         self.workers = list(range(ctx.workers))
-        index = ctx.rank - ctx.workers
+        self.index = index = ctx.rank - ctx.workers
         flat = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]).to(torch.float32)
         lo, hi = shard_ranges(flat.numel(), self.spec.servers)[index]
         self.shard = nn.Parameter(flat[lo:hi].clone())
@@ -52,12 +55,16 @@ class _Server:
         self.seq = 0
         self.start = clock()
         self.busy_cpu_s = 0.0
+        self.next_checkpoint = self._first_checkpoint()  # steps done at the next checkpoint (None: none)
+        self._restore()
 
     def serve(self) -> None:
         header = torch.empty(PUSH_HEADER, dtype=torch.int64)
         grad = torch.empty_like(self.shard.data)
         active = set(self.workers)
         while active or self.waiting:
+            if self.heartbeat is not None:
+                self.heartbeat.beat(phase="serve")
             source = dist.recv(header, src=None, tag=HEADER_TAG)
             arrival = clock()
             kind, step, version_seen = (int(v) for v in header)
@@ -71,8 +78,63 @@ class _Server:
             self._apply(source, step, version_seen, grad, arrival)
             self.last_step[source] = step
             self.waiting.append((source, step))
+            self._checkpoint_if_due()
             self._answer_ready()
         self._finish()
+
+    # -- checkpoints: the servers' part (runtime/checkpoint.py has the layout and the workers' part)
+    def _first_checkpoint(self) -> int | None:
+        every = self.ctx.experiment.checkpoint_every
+        return every if every and every < self.ctx.experiment.workload.steps else self._final_checkpoint()
+
+    def _final_checkpoint(self) -> int | None:
+        final = self.checkpointer is not None and self.checkpointer.final
+        return self.ctx.experiment.workload.steps if final else None
+
+    def _checkpoint_if_due(self) -> None:
+        """Once every worker has pushed the last step before a checkpoint (and, for a synchronous
+        protocol, its round is applied), save this server's state. `_answer_ready` holds every answer
+        to that step until then, so no worker runs ahead of the cut: the state saved is exactly the
+        one the workers' checkpoint continues from, for asynchronous protocols too (a checkpoint
+        costs them one barrier)."""
+        while (self.checkpointer is not None and self.next_checkpoint is not None
+               and min(self.last_step.values()) >= self.next_checkpoint - 1 and not self.round_grads):
+            steps_done = self.next_checkpoint
+            folder = partial_dir(self.checkpointer.root, steps_done)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomically(folder / f"server-{self.index}.pt", {
+                "step": steps_done, "shard": self.shard.detach().clone(), "optimizer": self.optimizer.state_dict(),
+                "version": self.version, "seq": self.seq, "busy_cpu_s": self.busy_cpu_s})
+            every = self.ctx.experiment.checkpoint_every
+            following = steps_done + every if every else None
+            steps = self.ctx.experiment.workload.steps
+            self.next_checkpoint = following if following is not None and following < steps \
+                else (self._final_checkpoint() if steps_done < steps else None)
+
+    def _held_for_checkpoint(self, step: int) -> bool:
+        return self.next_checkpoint is not None and step == self.next_checkpoint - 1 \
+            and self.checkpointer is not None
+
+    def _restore(self) -> None:
+        if self.checkpointer is None:
+            return
+        found = latest_checkpoint(self.checkpointer.root, self.ctx.experiment)
+        if found is None:
+            return
+        state = load_trusted(found.folder / f"server-{self.index}.pt")
+        with torch.no_grad():
+            self.shard.copy_(state["shard"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.seq, self.busy_cpu_s = int(state["version"]), int(state["seq"]), float(state["busy_cpu_s"])
+        self.last_step = {w: found.step - 1 for w in self.workers}
+        while self.next_checkpoint is not None and self.next_checkpoint <= found.step:
+            self.next_checkpoint = self.next_checkpoint + self.ctx.experiment.checkpoint_every \
+                if self.ctx.experiment.checkpoint_every else None
+            if self.next_checkpoint is not None and self.next_checkpoint >= self.ctx.experiment.workload.steps:
+                self.next_checkpoint = self._final_checkpoint()
+        dropped = self.writer.drop_after(found.step, update_seq=self.seq)
+        self.writer.event("restored", f"server {self.index} from the checkpoint after step {found.step}; "
+                                      f"{dropped} later update rows dropped")
 
     def _apply(self, worker: int, step: int, version_seen: int, grad: torch.Tensor, arrival: float) -> None:
         began, cpu_began = clock(), time.thread_time()
@@ -106,7 +168,8 @@ class _Server:
         if self.spec.averages_rounds and self.round_grads:
             return  # a synchronous round is still open
         slowest = min(self.last_step.values())
-        ready = [(w, s) for w, s in self.waiting if slowest >= s - self.spec.staleness_bound(s)]
+        ready = [(w, s) for w, s in self.waiting
+                 if slowest >= s - (0 if self._held_for_checkpoint(s) else self.spec.staleness_bound(s))]
         if not ready:
             return
         self.waiting = [item for item in self.waiting if item not in ready]
@@ -129,6 +192,7 @@ class _Server:
         self.writer.event("server_end", f"wall_s={wall_s:.6f} busy_cpu_s={self.busy_cpu_s:.6f} updates={self.seq}")
 
 
-def serve(task: Task, strategy: ParameterServer, ctx: RunContext, writer: RowWriter) -> None:
+def serve(task: Task, strategy: ParameterServer, ctx: RunContext, writer: RowWriter,
+          checkpointer: Checkpointer | None = None, heartbeat: Heartbeat | None = None) -> None:
     writer.event("server_start", f"shard of {len(strategy.server_ranks)} server(s)")
-    _Server(task, strategy, ctx, writer).serve()
+    _Server(task, strategy, ctx, writer, checkpointer, heartbeat).serve()

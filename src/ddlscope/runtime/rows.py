@@ -15,12 +15,16 @@ from typing import Any, Iterator
 
 
 class RowWriter:
+    """Appends to the rank's file. A restarted or resumed rank appends to the file its earlier attempt
+    wrote, and its events continue that attempt's numbering, so no event replaces another."""
+
     def __init__(self, path: Path, rank: int):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.rank = rank
+        self._event_seq = 1 + max((r["seq"] for r in read_records(path) if r.get("kind") == "event"), default=-1) \
+            if path.exists() else 0
         self._file = open(path, "a", buffering=1, encoding="utf-8")
-        self._event_seq = 0
 
     def write(self, kind: str, **fields: Any) -> None:
         self._file.write(json.dumps({"kind": kind, "rank": self.rank, **fields}, separators=(",", ":")) + "\n")
@@ -32,6 +36,27 @@ class RowWriter:
     def event(self, event: str, message: str = "") -> None:
         self.write("event", seq=self._event_seq, t=time.time(), event=event, message=message)
         self._event_seq += 1
+
+    def drop_after(self, step: int, update_seq: int | None = None) -> int:
+        """Forget rows of steps >= `step` (and server updates numbered >= `update_seq`): a rank
+        restored from the checkpoint taken after `step` steps writes them again. Events stay (they
+        are the run's history: the fault, the restart). Rewritten whole and renamed into place, so a
+        crash meanwhile leaves the old file. Returns the number of rows dropped."""
+        self.close()
+        kept, dropped = [], 0
+        for record in read_records(self.path) if self.path.exists() else ():
+            kind = record.get("kind")
+            stale = ((kind in ("step", "eval") and record.get("step", -1) >= step)
+                     or (kind == "update" and update_seq is not None and record.get("seq", -1) >= update_seq)
+                     or kind == "memory")  # measured at the end of training: the new attempt measures again
+            dropped += stale
+            if not stale:
+                kept.append(json.dumps(record, separators=(",", ":")) + "\n")
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text("".join(kept), encoding="utf-8")
+        partial.replace(self.path)
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+        return dropped
 
     @property
     def closed(self) -> bool:

@@ -117,6 +117,10 @@ class ClusterSpec(Spec):
     jitter: float = Field(0.0, ge=0, le=10, description="random extra compute per step: up to this fraction, uniform, seeded per rank")
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     faults: list[Fault] = Field(default_factory=list, description="injected failures, e.g. [{rank = 1, step = 3}]")
+    max_restarts: int = Field(0, ge=0, le=100, description="restart the ranks (from the last checkpoint) up to this "
+                                                            "many times when one dies (torch's elastic agent)")
+    hang_timeout_s: float = Field(60.0, gt=0, description="end the run when a rank makes no progress for this long "
+                                                          "past the slowest step so far (the hang watchdog)")
 
     @property
     def procs_per_node(self) -> int:
@@ -158,7 +162,12 @@ class Experiment(Spec):
     strategy: SerializeAsAny[StrategySpec]
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     save_model_path: str | None = Field(None, description="rank 0 saves the final model's state_dict here (torch.save)")
-    checkpoint_dir: str | None = Field(None, description="save a torch.distributed.checkpoint of model + optimizer here at the end")
+    checkpoint_dir: str | None = Field(None, description="where checkpoints go (default: the run's folder beside the "
+                                                         "store); naming it also checkpoints after the last step")
+    checkpoint_every: int = Field(0, ge=0, description="checkpoint every N steps (0: off); restarts and --resume "
+                                                       "continue from the newest one")
+    checkpoint_every_s: float = Field(0.0, ge=0, description="checkpoint when this many seconds have passed since "
+                                                             "the last one (0: off)")
     trace_steps: int = Field(0, ge=0, description="torch.profiler trace of steps 1..N on every rank (0: off); "
                              "`ddlscope trace RUN` merges them")
 
@@ -177,6 +186,9 @@ def check_consistency(exp: Experiment) -> None:
         )
     if exp.strategy.extra_ranks() and exp.cluster.nnodes > 1:
         raise ConfigError(f"cluster.nnodes = {exp.cluster.nnodes}: strategy {exp.strategy.name} runs on one node for now")
+    if exp.checkpoint_every_s and exp.strategy.extra_ranks():
+        raise ConfigError(f"checkpoint_every_s: strategy {exp.strategy.name} checkpoints on a step schedule "
+                          "(its servers cannot see the workers' clocks); use checkpoint_every = N steps")
     if exp.strategy.traits.splits_global_batch and exp.workload.batch_size % ws:
         raise ConfigError(
             f"workload.batch_size = {exp.workload.batch_size}: must be divisible by cluster.world_size = {ws} "

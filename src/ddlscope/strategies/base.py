@@ -114,13 +114,13 @@ class Strategy(ABC):
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        """Model and optimizer through torch.distributed.checkpoint (each rank writes its own shards)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What this rank's strategy must remember across a restart beyond the model and optimizer
+        (counters, versions: plain numbers, lists and tensors). The runtime saves it with each checkpoint."""
+        return {}
 
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Take back what `checkpoint_state` returned, after the model and optimizer were restored."""
 
     def discard_comm_stats(self) -> None:
         """Forget communication outside training steps (e.g. an evaluation's all-gathers)."""

@@ -66,9 +66,13 @@ class CommRecorder:
         self._last_launch_s: float | None = None
         self._link_free_s = 0.0
         self._lock = threading.Lock()
+        # The runtime's heartbeat (runtime/heartbeat.py) learns here what a rank last waited on.
+        self.on_launch: Callable[[str], None] | None = None
 
     def launched(self, payload_bytes: int, kind: str = "all_reduce", ranks: int | None = None) -> Pending:
         now = time.perf_counter()
+        if self.on_launch is not None:
+            self.on_launch(kind)
         self._bytes += payload_bytes
         self._last_launch_s = now
         ready = now

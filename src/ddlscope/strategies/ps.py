@@ -13,7 +13,6 @@ spec, in specs/strategies/ps.py.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,11 +83,11 @@ class ParameterServer(Strategy):
         self.comm.completed(pending)
         self._step += 1
 
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-        """The workers' model only: the optimizer state lives on the servers and is not saved."""
-        if self.ctx.rank == 0:
-            os.makedirs(path, exist_ok=True)
-            torch.save(model.state_dict(), os.path.join(path, "model.pt"))
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"versions": list(self._versions), "step": self._step}
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self._versions, self._step = list(state["versions"]), int(state["step"])
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         return model.state_dict()

@@ -1,0 +1,176 @@
+"""Heartbeats and the hang watchdog.
+
+Each rank keeps a small memory-mapped file, `heartbeat-RANK.bin` in the run's folder, and stamps it
+whenever it enters a phase or starts a message: its pid, a beat counter, the step, the phase and the
+communication it last started. A stamp is a few memory stores (no system call), so it costs nothing
+next to a step. The launcher's `Watchdog` reads the files: a rank whose counter has not moved for
+`hang_timeout_s` past the slowest step seen so far has hung (deadlocked, stopped, lost a peer), and
+the watchdog ends the run with one message naming the stuck ranks, their step, phase and the
+collective or server message they wait on, rather than letting it block until gloo's own timeout.
+
+Why by hand: torch's elastic agent only notices ranks that exit, NCCL's flight recorder exists only
+on CUDA and gloo has no equivalent; a stopped (SIGSTOP) rank is invisible to all of them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+# pid, beats, step, phase index, last communication's index: int64; wall time of the beat: float64
+_LAYOUT = struct.Struct("<qqqqqd")
+PHASE_NAMES = ("start", "data", "forward", "backward", "synchronize", "optimizer", "evaluate", "checkpoint",
+               "serve", "finish")
+COMM_NAMES = ("", "all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast")
+
+
+def heartbeat_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"heartbeat-{rank}.bin"
+
+
+class Heartbeat:
+    """A rank's side: `beat(step=..., phase=...)`, `comm(kind)`."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        path = heartbeat_file(run_dir, rank)
+        with open(path, "wb") as f:
+            f.write(b"\0" * _LAYOUT.size)
+        self._file = open(path, "r+b")
+        self._map = mmap.mmap(self._file.fileno(), _LAYOUT.size)
+        self.pid, self.beats, self.step, self.phase, self.last_comm = os.getpid(), 0, -1, 0, 0
+        self._write()
+
+    def beat(self, step: int | None = None, phase: str | None = None) -> None:
+        if step is not None:
+            self.step = step
+        if phase is not None:
+            self.phase = PHASE_NAMES.index(phase)
+        self.beats += 1
+        self._write()
+
+    def comm(self, kind: str) -> None:
+        """A collective or message started (strategies' CommRecorder calls this)."""
+        self.last_comm = COMM_NAMES.index(kind) if kind in COMM_NAMES else 0
+        self.beat()
+
+    def _write(self) -> None:
+        _LAYOUT.pack_into(self._map, 0, self.pid, self.beats, self.step, self.phase, self.last_comm, time.time())
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class Beat:
+    rank: int
+    pid: int
+    beats: int
+    step: int
+    phase: str
+    last_comm: str
+
+
+def read_beat(path: Path, rank: int) -> Beat | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) < _LAYOUT.size:
+        return None
+    pid, beats, step, phase, comm, _t = _LAYOUT.unpack_from(data)
+    if not pid:
+        return None
+    return Beat(rank, pid, beats, step, PHASE_NAMES[phase] if 0 <= phase < len(PHASE_NAMES) else "?",
+                COMM_NAMES[comm] if 0 <= comm < len(COMM_NAMES) else "")
+
+
+def process_state(pid: int) -> str:
+    """'stopped', 'zombie', 'gone' or 'running' (from /proc: Linux only; 'running' elsewhere)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except OSError:
+        return "running"
+    return {"T": "stopped", "t": "stopped", "Z": "zombie", "X": "gone"}.get(state, "running")
+
+
+class Watchdog(threading.Thread):
+    """The launcher's side: watch every local rank's heartbeat; on a hang, call `on_hang(message, pids)` once.
+
+    A rank hangs when its beat counter has not moved for `timeout_s` past the slowest step seen so
+    far (a step: the time between two step increments of one rank). Before any rank has finished
+    a step (start-up, rendezvous, model building), `startup_s` is allowed instead.
+    """
+
+    def __init__(self, run_dir: Path, ranks: list[int], timeout_s: float, on_hang: Callable[[str, list[int]], None],
+                 startup_s: float = 300.0, poll_s: float = 0.5):
+        super().__init__(name="ddlscope-watchdog", daemon=True)
+        self.run_dir, self.ranks, self.timeout_s, self.on_hang = run_dir, ranks, timeout_s, on_hang
+        self.startup_s, self.poll_s = startup_s, poll_s
+        self.message: str | None = None
+        self._stop_event = threading.Event()
+        self._moved_at: dict[int, float] = {}  # rank -> when its counter last moved (monotonic)
+        self._last: dict[int, Beat] = {}
+        self._step_started: dict[int, float] = {}
+        self.slowest_step_s = 0.0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        began = time.monotonic()
+        while not self._stop_event.wait(self.poll_s):
+            now = time.monotonic()
+            beats = {r: b for r in self.ranks if (b := read_beat(heartbeat_file(self.run_dir, r), r))}
+            for rank, beat in beats.items():
+                self._observe(rank, beat, now)
+            stuck = [r for r in self.ranks if now - self._moved_at.get(r, began) > self._allowance_s()]
+            if stuck and not self._stop_event.is_set():
+                self.message = self._describe(stuck, beats, now)
+                self.on_hang(self.message, [b.pid for b in beats.values()])
+                return
+
+    def _observe(self, rank: int, beat: Beat, now: float) -> None:
+        previous = self._last.get(rank)
+        if previous is None or beat.beats != previous.beats or beat.pid != previous.pid:
+            self._moved_at[rank] = now
+        if previous is not None and beat.step != previous.step:
+            if rank in self._step_started and beat.step == previous.step + 1:
+                self.slowest_step_s = max(self.slowest_step_s, now - self._step_started[rank])
+            self._step_started[rank] = now
+        self._last[rank] = beat
+
+    def _allowance_s(self) -> float:
+        if self.slowest_step_s == 0.0:
+            return self.startup_s + self.timeout_s
+        return self.timeout_s + self.slowest_step_s
+
+    def _describe(self, stuck: list[int], beats: dict[int, Beat], now: float) -> str:
+        parts = []
+        for rank in stuck:
+            beat = beats.get(rank)
+            if beat is None:
+                parts.append(f"rank {rank} never started")
+                continue
+            state = process_state(beat.pid)
+            how = {"stopped": " (process stopped: SIGSTOP?)", "gone": " (process gone)"}.get(state, "")
+            waits = f", waiting on {_describe_comm(beat.last_comm)}" if beat.phase in ("backward", "synchronize",
+                                                                                      "forward", "serve") \
+                and beat.last_comm else ""
+            step = f"step {beat.step}" if beat.step >= 0 else "start-up"
+            parts.append(f"rank {rank}{how} at {step} in {beat.phase}{waits}, "
+                         f"no progress for {now - self._moved_at.get(rank, now):.0f} s")
+        return (f"hang: {'; '.join(parts)} (watchdog: {self.timeout_s:.0f} s past the slowest step, "
+                f"{self.slowest_step_s:.2f} s)")
+
+
+def _describe_comm(kind: str) -> str:
+    return "a point-to-point (server) message" if kind == "p2p" else f"a collective ({kind})"
