@@ -43,15 +43,31 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     trace: Annotated[bool, typer.Option("--trace", help="Profile steps 1-3 on every rank (torch.profiler); "
                                         "merge with `ddlscope trace RUN`. --set trace_steps=N for N steps.")] = False,
+    checkpoint_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (restarts and --resume "
+                                                            "continue from the newest).")] = None,
+    max_restarts: Annotated[Optional[int], typer.Option(help="Restart the ranks from the last checkpoint up to K "
+                                                        "times when one dies.")] = None,
+    resume: Annotated[Optional[str], typer.Option(metavar="RUN", help="Continue an interrupted or failed run from "
+                                                  "its newest checkpoint (its stored experiment; no other input).")] = None,
 ) -> None:
     """Run one experiment: start the ranks, train, record every rank and step, print a summary."""
     from ddlscope.runtime.config import load_experiment, parse_override
-    from ddlscope.runtime.launcher import launch
 
+    if resume is not None:
+        given = [flag for flag, value in (("CONFIG", config), ("--workload", workload), ("--strategy", strategy),
+                                          ("--world-size", world_size), ("--steps", steps), ("--set", set_),
+                                          ("--batch-size", batch_size), ("--seed", seed), ("--name", name),
+                                          ("--checkpoint-every", checkpoint_every), ("--trace", trace or None))
+                 if value is not None]
+        if given:
+            raise UserError(f"--resume continues the stored experiment as it was; drop {', '.join(given)}")
+        _run_and_report(*_resumable(resume, db), db, quiet, as_json)
+        return
     overrides: dict[str, Any] = {}
     for key, value in (("workload.name", workload), ("strategy.name", strategy), ("workload.steps", steps),
                        ("workload.batch_size", batch_size), ("seed", seed), ("name", name),
                        ("cluster.nnodes", nnodes), ("cluster.node_rank", node_rank),
+                       ("checkpoint_every", checkpoint_every), ("cluster.max_restarts", max_restarts),
                        ("cluster.rdzv_endpoint", rdzv_endpoint), ("cluster.world_size", world_size)):
         if value is not None:
             overrides[key] = value
@@ -70,10 +86,29 @@ def run(
     exp = load_experiment(config, overrides)
     if db.parent and not db.resolve().parent.exists():
         raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
+    _run_and_report(exp, None, db, quiet, as_json)
+
+
+def _resumable(ref: str, db: Path) -> tuple[Any, Run]:
+    """The stored run to resume and its experiment; refused in one line when it cannot be resumed."""
+    from ddlscope.runtime.config import experiment_from_dict
+    from ddlscope.runtime.launcher import run_dir_for
+
+    with open_store(db) as store:
+        run_ = store.get_run(ref)
+    if run_.shown_status not in ("interrupted", "failed", "died"):
+        raise UserError(f"run {run_.id} is {run_.shown_status}: only an interrupted or failed run can be resumed")
+    if not run_dir_for(db, run_.uuid).is_dir():
+        raise UserError(f"run {run_.id}: its folder {run_dir_for(db, run_.uuid)} is gone, nothing to resume from")
+    return experiment_from_dict(run_.config), run_
+
+
+def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json: bool) -> None:
+    from ddlscope.runtime.launcher import launch
 
     show_progress = not quiet and not as_json and console.is_terminal
     with _progress(exp.workload.steps, enabled=show_progress) as on_progress:
-        result = launch(exp, db, on_progress=on_progress)
+        result = launch(exp, db, on_progress=on_progress, resume=resume)
 
     if result.run_id is None:
         console.print(f"node {exp.cluster.node_rank}: {result.status}; this node's ranks sent their rows to node 0's store")

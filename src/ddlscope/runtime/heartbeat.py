@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# pid, beats, step, phase index, last communication's index: int64; wall time of the beat: float64
+# pid, beats, step, phase index, last communication's index: int64; the slowest step so far: float64
 _LAYOUT = struct.Struct("<qqqqqd")
 PHASE_NAMES = ("start", "data", "forward", "backward", "synchronize", "optimizer", "evaluate", "checkpoint",
-               "serve", "finish")
+               "serve", "finish", "away")
 COMM_NAMES = ("", "all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast")
 
 
@@ -44,11 +44,15 @@ class Heartbeat:
         self._file = open(path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), _LAYOUT.size)
         self.pid, self.beats, self.step, self.phase, self.last_comm = os.getpid(), 0, -1, 0, 0
+        self.slowest_step_s, self._step_began = 0.0, 0.0
         self._write()
 
     def beat(self, step: int | None = None, phase: str | None = None) -> None:
         if step is not None:
-            self.step = step
+            now = time.monotonic()
+            if self.step >= 0 and step == self.step + 1:
+                self.slowest_step_s = max(self.slowest_step_s, now - self._step_began)
+            self.step, self._step_began = step, now
         if phase is not None:
             self.phase = PHASE_NAMES.index(phase)
         self.beats += 1
@@ -60,7 +64,8 @@ class Heartbeat:
         self.beat()
 
     def _write(self) -> None:
-        _LAYOUT.pack_into(self._map, 0, self.pid, self.beats, self.step, self.phase, self.last_comm, time.time())
+        _LAYOUT.pack_into(self._map, 0, self.pid, self.beats, self.step, self.phase, self.last_comm,
+                          self.slowest_step_s)
 
     def close(self) -> None:
         self._map.close()
@@ -75,6 +80,7 @@ class Beat:
     step: int
     phase: str
     last_comm: str
+    slowest_step_s: float
 
 
 def read_beat(path: Path, rank: int) -> Beat | None:
@@ -84,11 +90,11 @@ def read_beat(path: Path, rank: int) -> Beat | None:
         return None
     if len(data) < _LAYOUT.size:
         return None
-    pid, beats, step, phase, comm, _t = _LAYOUT.unpack_from(data)
+    pid, beats, step, phase, comm, slowest_s = _LAYOUT.unpack_from(data)
     if not pid:
         return None
     return Beat(rank, pid, beats, step, PHASE_NAMES[phase] if 0 <= phase < len(PHASE_NAMES) else "?",
-                COMM_NAMES[comm] if 0 <= comm < len(COMM_NAMES) else "")
+                COMM_NAMES[comm] if 0 <= comm < len(COMM_NAMES) else "", slowest_s)
 
 
 def process_state(pid: int) -> str:
@@ -105,9 +111,9 @@ def process_state(pid: int) -> str:
 class Watchdog(threading.Thread):
     """The launcher's side: watch every local rank's heartbeat; on a hang, call `on_hang(message, pids)` once.
 
-    A rank hangs when its beat counter has not moved for `timeout_s` past the slowest step seen so
-    far (a step: the time between two step increments of one rank). Before any rank has finished
-    a step (start-up, rendezvous, model building), `startup_s` is allowed instead.
+    A rank hangs when its beat counter has not moved for `timeout_s` past the slowest step any rank
+    has reported so far (each rank times its own steps). Before any rank has finished a step
+    (start-up, rendezvous, model building), `startup_s` is allowed instead.
     """
 
     def __init__(self, run_dir: Path, ranks: list[int], timeout_s: float, on_hang: Callable[[str, list[int]], None],
@@ -119,7 +125,6 @@ class Watchdog(threading.Thread):
         self._stop_event = threading.Event()
         self._moved_at: dict[int, float] = {}  # rank -> when its counter last moved (monotonic)
         self._last: dict[int, Beat] = {}
-        self._step_started: dict[int, float] = {}
         self.slowest_step_s = 0.0
 
     def stop(self) -> None:
@@ -142,10 +147,7 @@ class Watchdog(threading.Thread):
         previous = self._last.get(rank)
         if previous is None or beat.beats != previous.beats or beat.pid != previous.pid:
             self._moved_at[rank] = now
-        if previous is not None and beat.step != previous.step:
-            if rank in self._step_started and beat.step == previous.step + 1:
-                self.slowest_step_s = max(self.slowest_step_s, now - self._step_started[rank])
-            self._step_started[rank] = now
+        self.slowest_step_s = max(self.slowest_step_s, beat.slowest_step_s)
         self._last[rank] = beat
 
     def _allowance_s(self) -> float:
@@ -155,6 +157,9 @@ class Watchdog(threading.Thread):
 
     def _describe(self, stuck: list[int], beats: dict[int, Beat], now: float) -> str:
         parts = []
+        # The likely cause first: a stopped or vanished process, then the rank furthest behind.
+        stuck = sorted(stuck, key=lambda r: (process_state(beats[r].pid) not in ("stopped", "gone"), beats[r].step)
+                       if r in beats else (False, -1))
         for rank in stuck:
             beat = beats.get(rank)
             if beat is None:

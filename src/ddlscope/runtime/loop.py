@@ -95,12 +95,15 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     device_sync(device)
     start = clock()
     crash_steps = {f.step for f in exp.cluster.faults if f.rank == ctx.rank}
+    away = {p.step: p.down_s for p in exp.cluster.preemptions if p.rank == ctx.rank}
     paused_s = 0.0  # checkpoints: not training time
     for step in range(first_step, spec.steps):
         if step in crash_steps and first_step == 0:  # an injected fault strikes the first attempt only
             _crash(writer, step)
         if heartbeat is not None:
             heartbeat.beat(step=step)
+        if step in away:
+            _preempted(strategy, step, away[step], writer, heartbeat)
         measuring = step == memory_step
         tracer.before_step(step)
         timer.start(clock())
@@ -197,6 +200,24 @@ class _Straggler:
             return
         backward_s = self.backward_per_forward_s or 2 * forward_s
         time.sleep((stretch - 1) * (forward_s + backward_s))
+
+
+def _preempted(strategy: Strategy, step: int, down_s: float, writer: RowWriter, heartbeat: Heartbeat | None) -> None:
+    """An emulated preemption (cluster.preemptions): leave, lose the model, wait, come back with the
+    servers' newest one. NaN parameters make a return that forgot to pull fail loudly."""
+    strategy.leave(step)
+    writer.event("preempted", f"at step {step} for {down_s:g} s")
+    assert strategy.model is not None
+    with torch.no_grad():
+        for p in strategy.model.parameters():
+            p.fill_(float("nan"))
+    back_at = time.monotonic() + down_s
+    while (left := back_at - time.monotonic()) > 0:
+        if heartbeat is not None:
+            heartbeat.beat(phase="away")
+        time.sleep(min(left, 0.5))
+    version = strategy.rejoin(step)
+    writer.event("rejoined", f"at step {step}, model version {version}")
 
 
 def _crash(writer: RowWriter, step: int) -> None:

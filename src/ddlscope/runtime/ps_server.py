@@ -29,7 +29,8 @@ from ddlscope.runtime.loop import make_optimizer
 from ddlscope.runtime.rows import RowWriter
 from ddlscope.strategies.base import RunContext
 from ddlscope.strategies.comm import CommRecorder
-from ddlscope.strategies.ps import DATA_TAG, DONE, HEADER_TAG, PUSH_HEADER, REPLY_HEADER, ParameterServer, shard_ranges
+from ddlscope.strategies.ps import (DATA_TAG, DONE, HEADER_TAG, JOIN, LEAVE, PUSH_HEADER, REPLY_HEADER,
+                                    ParameterServer, shard_ranges)
 from ddlscope.workloads.base import Task
 
 clock = time.perf_counter
@@ -72,6 +73,16 @@ class _Server:
                 active.discard(source)
                 self.last_step[source] = math.inf  # a finished worker holds nobody back
                 self._answer_ready()
+                continue
+            if kind == LEAVE:  # preempted: holds nobody back while away, and stays expected
+                self.last_step[source] = math.inf
+                self.writer.event("worker_left", f"worker={source} step={step} version={self.version}")
+                self._answer_ready()
+                continue
+            if kind == JOIN:  # back, with nothing: it pulls the newest shard before its next push
+                self.last_step[source] = step - 1
+                self._send_params([source])
+                self.writer.event("worker_joined", f"worker={source} step={step} version={self.version}")
                 continue
             dist.recv(grad, src=source, tag=DATA_TAG)
             self.rx.completed(self.rx.launched(grad.numel() * 4, "p2p"))  # the server's link serialises pushes
@@ -173,10 +184,14 @@ class _Server:
         if not ready:
             return
         self.waiting = [item for item in self.waiting if item not in ready]
+        self._send_params([worker for worker, _ in ready])
+
+    def _send_params(self, workers: list[int]) -> None:
+        """The current version and shard to each of `workers`."""
         reply = torch.tensor([self.version], dtype=torch.int64)
         params = self.shard.detach()
         sends = []
-        for worker, _ in ready:
+        for worker in workers:
             self.tx.completed(self.tx.launched(params.numel() * 4, "p2p"))
             sends += [dist.isend(reply, worker, tag=HEADER_TAG), dist.isend(params, worker, tag=DATA_TAG)]
         for work in sends:

@@ -7,7 +7,7 @@ Importing this package registers every strategy spec (specs/strategies/).
 
 from ddlscope.specs.base import ConfigError, Spec, describe_validation_error, remember_spec_class
 from ddlscope.specs.experiment import (
-    NETWORK_PROFILES, TARGET_COMPUTE_EFFICIENCY, ClusterSpec, Experiment, Fault, NetworkProfile, NetworkSpec,
+    NETWORK_PROFILES, TARGET_COMPUTE_EFFICIENCY, ClusterSpec, Experiment, Fault, NetworkProfile, NetworkSpec, Preemption,
     WorkloadSpec, check_consistency)
 from ddlscope.specs.registry import import_submodules
 from ddlscope.specs.strategy import (
@@ -16,6 +16,6 @@ from ddlscope.specs.strategy import (
 import_submodules("ddlscope.specs.strategies")
 
 __all__ = ["NETWORK_PROFILES", "STRATEGY_SPECS", "TARGET_COMPUTE_EFFICIENCY", "ClusterSpec", "ConfigError",
-           "Experiment", "Family", "Fault", "NetworkProfile", "NetworkSpec", "Spec", "StrategySpec", "Traits",
+           "Experiment", "Family", "Fault", "NetworkProfile", "NetworkSpec", "Preemption", "Spec", "StrategySpec", "Traits",
            "WorkloadSpec", "check_consistency", "describe_validation_error", "is_baseline", "remember_spec_class",
            "strategy_spec", "strategy_specs", "traits_of"]

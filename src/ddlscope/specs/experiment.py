@@ -101,6 +101,17 @@ class Fault(Spec):
     kind: Literal["crash"] = Field("crash", description="crash: the process exits at once, without cleanup")
 
 
+class Preemption(Spec):
+    """A worker taken away and given back (a spot instance reclaimed, then replaced), emulated: the
+    rank stops at the start of `step`, discards its model, is away `down_s` seconds, then pulls the
+    latest model from the servers and goes on. Asynchronous parameter-server protocols only: the
+    survivors keep training meanwhile (PAPERS.md item 18, VC-ASGD)."""
+
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0, description="the worker leaves at the start of this step")
+    down_s: float = Field(1.0, ge=0, le=3600, description="seconds away before it comes back")
+
+
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
@@ -117,6 +128,8 @@ class ClusterSpec(Spec):
     jitter: float = Field(0.0, ge=0, le=10, description="random extra compute per step: up to this fraction, uniform, seeded per rank")
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     faults: list[Fault] = Field(default_factory=list, description="injected failures, e.g. [{rank = 1, step = 3}]")
+    preemptions: list[Preemption] = Field(default_factory=list, description="workers taken away and given back, "
+                                          "e.g. [{rank = 1, step = 5, down_s = 2}] (asynchronous PS only)")
     max_restarts: int = Field(0, ge=0, le=100, description="restart the ranks (from the last checkpoint) up to this "
                                                             "many times when one dies (torch's elastic agent)")
     hang_timeout_s: float = Field(60.0, gt=0, description="end the run when a rank makes no progress for this long "
@@ -142,6 +155,10 @@ class ClusterSpec(Spec):
                 raise ValueError(f"{field} has {len(values)} entries; give one per rank ({self.world_size}) or none")
         if any(f < 1 for f in self.slowdown):
             raise ValueError(f"slowdown factors must be >= 1, got {self.slowdown}")
+        if any(p.rank >= self.world_size for p in self.preemptions):
+            raise ValueError(f"a preemption names a rank outside the workers 0..{self.world_size - 1}")
+        if len({p.rank for p in self.preemptions}) < len(self.preemptions):
+            raise ValueError("give each worker one preemption at most")
         if any(f.rank >= self.world_size for f in self.faults):
             raise ValueError(f"a fault names a rank outside 0..{self.world_size - 1}")
         if any(d < 0 for d in self.start_delay_s):
@@ -186,6 +203,18 @@ def check_consistency(exp: Experiment) -> None:
         )
     if exp.strategy.extra_ranks() and exp.cluster.nnodes > 1:
         raise ConfigError(f"cluster.nnodes = {exp.cluster.nnodes}: strategy {exp.strategy.name} runs on one node for now")
+    if exp.cluster.preemptions:
+        traits = exp.strategy.traits
+        if traits.family != "server" or traits.synchronous:
+            raise ConfigError(f"cluster.preemptions: strategy {exp.strategy.name} cannot train without a worker; "
+                              "preemption needs an asynchronous parameter server (ps-async, ssp, ps-stale-aware)")
+        if exp.checkpoint_every or exp.checkpoint_every_s:
+            raise ConfigError("cluster.preemptions cannot be combined with checkpoints yet (a checkpoint waits for "
+                              "every worker); drop checkpoint_every")
+        late = [p for p in exp.cluster.preemptions if p.step >= exp.workload.steps]
+        if late:
+            raise ConfigError(f"cluster.preemptions: step {late[0].step} is past the last step "
+                              f"({exp.workload.steps - 1})")
     if exp.checkpoint_every_s and exp.strategy.extra_ranks():
         raise ConfigError(f"checkpoint_every_s: strategy {exp.strategy.name} checkpoints on a step schedule "
                           "(its servers cannot see the workers' clocks); use checkpoint_every = N steps")
@@ -196,5 +225,5 @@ def check_consistency(exp: Experiment) -> None:
         )
 
 
-for _cls in (WorkloadSpec, NetworkSpec, Fault, ClusterSpec, Experiment):
+for _cls in (WorkloadSpec, NetworkSpec, Fault, Preemption, ClusterSpec, Experiment):
     remember_spec_class(_cls)

@@ -114,6 +114,16 @@ class Strategy(ABC):
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
+    def leave(self, step: int) -> None:
+        """This worker is being preempted at the start of `step`: tell whoever waits on it
+        (asynchronous parameter servers only; the experiment's checks refuse the others)."""
+        raise NotImplementedError(f"strategy {self.spec.name} cannot lose a worker")
+
+    def rejoin(self, step: int) -> int:
+        """Back after a preemption, with the model discarded: fetch the latest one before `step`.
+        Returns the model version received."""
+        raise NotImplementedError(f"strategy {self.spec.name} cannot lose a worker")
+
     def checkpoint_state(self) -> dict[str, Any]:
         """What this rank's strategy must remember across a restart beyond the model and optimizer
         (counters, versions: plain numbers, lists and tensors). The runtime saves it with each checkpoint."""

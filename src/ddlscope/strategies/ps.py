@@ -25,7 +25,7 @@ from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import RunContext, Strategy
 
 # Message layout: a header (int64) then, for pushes and replies, a float32 payload.
-PUSH, DONE = 0, 1
+PUSH, DONE, LEAVE, JOIN = 0, 1, 2, 3
 HEADER_TAG, DATA_TAG = 11, 12
 PUSH_HEADER = 3  # kind, worker step, server version the gradient was computed on
 REPLY_HEADER = 1  # server version of the parameters sent back
@@ -82,6 +82,25 @@ class ParameterServer(Strategy):
             _write_range(params, self._ranges[s][0], shard)
         self.comm.completed(pending)
         self._step += 1
+
+    def leave(self, step: int) -> None:
+        """Preempted: every server stops waiting for this worker (it holds nobody back meanwhile)."""
+        for server in self.server_ranks:
+            dist.send(torch.tensor([LEAVE, step, 0], dtype=torch.int64), server, tag=HEADER_TAG)
+
+    def rejoin(self, step: int) -> int:
+        """Back: every server sends its newest shard, which replaces the discarded model."""
+        assert self.model is not None
+        params = list(self.model.parameters())
+        for s, server in enumerate(self.server_ranks):
+            dist.send(torch.tensor([JOIN, step, 0], dtype=torch.int64), server, tag=HEADER_TAG)
+            lo, hi = self._ranges[s]
+            reply_header, shard = torch.empty(REPLY_HEADER, dtype=torch.int64), torch.empty(hi - lo)
+            dist.recv(reply_header, server, tag=HEADER_TAG)
+            dist.recv(shard, server, tag=DATA_TAG)
+            self._versions[s] = int(reply_header[0])
+            _write_range(params, lo, shard)
+        return sum(self._versions)
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"versions": list(self._versions), "step": self._step}
