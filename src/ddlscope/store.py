@@ -216,7 +216,11 @@ class Store:
                     self.conn.execute("ROLLBACK")
                 raise
             self._retrying(lambda: self.conn.execute("COMMIT"))  # a busy COMMIT keeps the transaction: retry it
-        except (sqlite3.OperationalError, sqlite3.DatabaseError) as exc:
+        except StoreError:  # locked past the bound (at BEGIN, or at a COMMIT that then never landed)
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        except sqlite3.DatabaseError as exc:
             if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError)):
                 raise
             if self.conn.in_transaction:
