@@ -6,6 +6,14 @@ files into this store keyed by (run, rank, step), so ingesting twice, or after
 a crash, neither loses nor duplicates rows. A run's status moves
 created -> running -> finished | failed | interrupted, and only the launcher,
 after the workers returned and the rows are in, marks it finished.
+
+A write that finds the store locked by another process waits and retries (sqlite's busy
+timeout per try, `busy_timeout_s`, within a total bound, `lock_wait_s`; the environment
+variables DDLSCOPE_STORE_BUSY_TIMEOUT_S and DDLSCOPE_STORE_LOCK_WAIT_S set the defaults);
+only past the bound does it give up, with a StoreError. A file that is not a store, is
+damaged, read-only or unreadable, or a directory, is a StoreError too: one line saying
+what and how to fix it. Each call that writes is one transaction: a process killed
+half-way leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -18,12 +26,20 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 SCHEMA_VERSION = 1
+T = TypeVar("T")
 
 # Where runs are kept when no --db names another store: the one default every command and layer uses.
 DEFAULT_DB = Path("ddlscope.db")
+
+# How long one try waits on a locked store (sqlite's busy timeout), and how long a write keeps
+# retrying in all before it gives up; environment variables override the defaults.
+BUSY_TIMEOUT_ENV, LOCK_WAIT_ENV = "DDLSCOPE_STORE_BUSY_TIMEOUT_S", "DDLSCOPE_STORE_LOCK_WAIT_S"
+DEFAULT_BUSY_TIMEOUT_S, DEFAULT_LOCK_WAIT_S = 30.0, 600.0
+SQLITE_HEADER = b"SQLite format 3\x00"
+TABLES = ("meta", "runs", "steps", "evals", "memory", "updates", "calibrations", "events")
 
 STEP_COLUMNS = (
     "t_s", "data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "step_s",
@@ -124,8 +140,8 @@ class Run:
 
     @property
     def shown_status(self) -> str:
-        """A 'running' run whose launcher on this host is gone died without saying so."""
-        if self.status == "running" and self.host == socket.gethostname() and self.launcher_pid:
+        """A created or running run whose launcher on this host is gone died without saying so."""
+        if self.status in ("created", "running") and self.host == socket.gethostname() and self.launcher_pid:
             if not pid_alive(self.launcher_pid):
                 return "died"
         return self.status
@@ -147,26 +163,36 @@ class StoreError(RuntimeError):
 
 
 class Store:
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float | None = None,
+                 lock_wait_s: float | None = None):
         self.path = Path(path)
-        if self.path.is_dir():
-            raise StoreError(f"store path {self.path} is a directory")
-        if self.path.parent and not self.path.parent.exists():
-            raise StoreError(f"store folder {self.path.parent} does not exist")
+        self.busy_timeout_s = _seconds(BUSY_TIMEOUT_ENV, DEFAULT_BUSY_TIMEOUT_S, busy_timeout_s)
+        self.lock_wait_s = _seconds(LOCK_WAIT_ENV, DEFAULT_LOCK_WAIT_S, lock_wait_s)
+        _check_file(self.path)
         try:
-            self.conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+            self.conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(_describe(self.path, exc)) from None
+        try:
             self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA busy_timeout=30000")
+            self.conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_s * 1000)}")
             self.conn.execute("PRAGMA foreign_keys=ON")
-            with self.transaction():
-                for statement in _statements():
-                    self.conn.execute(statement)
-                self.conn.execute(
-                    "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
-                )
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"cannot open store {self.path}: {exc}") from None
+            tables = {r[0] for r in self._retrying(
+                lambda: self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall())}
+            if not set(TABLES) <= tables:  # a new store (or an older one): create what is missing
+                self._retrying(lambda: self.conn.execute("PRAGMA journal_mode=WAL"))
+                with self.transaction():
+                    for statement in _statements():
+                        self.conn.execute(statement)
+                    self.conn.execute(
+                        "INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                    )
+        except StoreError:
+            self.conn.close()
+            raise
+        except sqlite3.Error as exc:
+            self.conn.close()
+            raise StoreError(_describe(self.path, exc)) from None
 
     def close(self) -> None:
         self.conn.close()
@@ -179,14 +205,50 @@ class Store:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One atomic write: all of it lands, or none of it does."""
-        self.conn.execute("BEGIN IMMEDIATE")
+        """One atomic write: all of it lands, or none of it does. A locked store is waited for
+        (see the module's docstring); an error of the store itself becomes a one-line StoreError."""
         try:
-            yield self.conn
-        except BaseException:
-            self.conn.execute("ROLLBACK")
+            self._retrying(lambda: self.conn.execute("BEGIN IMMEDIATE"))
+            try:
+                yield self.conn
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+            self._retrying(lambda: self.conn.execute("COMMIT"))  # a busy COMMIT keeps the transaction: retry it
+        except StoreError:  # locked past the bound (at BEGIN, or at a COMMIT that then never landed)
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
             raise
-        self.conn.execute("COMMIT")
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError)):
+                raise
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise StoreError(_describe(self.path, exc)) from None
+
+    def _retrying(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`, tried again while the store is locked by another process, for up to lock_wait_s."""
+        started = time.monotonic()
+        pause = 0.05
+        try:
+            while True:
+                left = self.lock_wait_s - (time.monotonic() - started)
+                self.conn.execute(f"PRAGMA busy_timeout={int(max(0.0, min(self.busy_timeout_s, left)) * 1000)}")
+                try:
+                    return attempt()
+                except sqlite3.OperationalError as exc:
+                    if not _is_busy(exc):
+                        raise
+                    if time.monotonic() - started >= self.lock_wait_s:
+                        raise StoreError(
+                            f"store {self.path} stayed locked by another process for {self.lock_wait_s:.0f} s: "
+                            f"let that process finish (or stop it) and try again; {LOCK_WAIT_ENV} sets how long "
+                            "to wait") from None
+                    time.sleep(min(pause, max(0.0, self.lock_wait_s - (time.monotonic() - started))))
+                    pause = min(pause * 2, 2.0)
+        finally:
+            self.conn.execute(f"PRAGMA busy_timeout={int(self.busy_timeout_s * 1000)}")
 
     # -- runs ---------------------------------------------------------------
     def create_run(self, *, uuid: str, name: str, workload: str, strategy: str, world_size: int,
@@ -220,11 +282,20 @@ class Store:
             rows = self.conn.execute("SELECT * FROM runs WHERE id=?", (int(ref),)).fetchall()
         else:
             rows = self.conn.execute("SELECT * FROM runs WHERE uuid=? OR name=? ORDER BY id DESC", (ref, ref)).fetchall()
-            if not rows and len(ref) >= 6:
-                rows = self.conn.execute("SELECT * FROM runs WHERE uuid LIKE ?", (ref + "%",)).fetchall()
+            if not rows and len(ref) >= 6:  # a prefix, matched literally (no LIKE: _ and % are not wildcards)
+                rows = self.conn.execute("SELECT * FROM runs WHERE substr(uuid, 1, ?) = ? ORDER BY id",
+                                         (len(ref), ref)).fetchall()
+                if len(rows) > 1:
+                    raise StoreError(f"{ref!r} begins the uuids of {len(rows)} runs ({', '.join(str(r['id']) for r in rows[:5])}"
+                                     f"{', ...' if len(rows) > 5 else ''}): give more of it, or the run's id")
         if not rows:
             raise StoreError(f"no run {ref!r} in {self.path}")
         return _run_from_row(rows[0])
+
+    def unfinished_runs(self) -> list[Run]:
+        """Runs still `created` or `running` (their launcher may be alive, or may have died)."""
+        rows = self.conn.execute("SELECT * FROM runs WHERE status IN ('created', 'running') ORDER BY id").fetchall()
+        return [_run_from_row(r) for r in rows]
 
     def list_runs(self, limit: int = 50) -> list[Run]:
         rows = self.conn.execute("SELECT * FROM runs ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
@@ -282,10 +353,23 @@ class Store:
     def add_event(self, run_id: int, kind: str, message: str, rank: int = -1) -> None:
         """An event from the launcher itself (rank -1)."""
         with self.transaction() as c:
-            seq = c.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events WHERE run_id=? AND rank=?",
-                            (run_id, rank)).fetchone()[0]
-            c.execute("INSERT INTO events(run_id, rank, seq, t, kind, message) VALUES (?, ?, ?, ?, ?, ?)",
-                      (run_id, rank, seq, time.time(), kind, message))
+            _insert_event(c, run_id, kind, message, rank)
+
+    def finish_orphan(self, run_id: int, launcher_pid: int | None, status: str, error: str, event: str,
+                      finished_at: float | None = None) -> bool:
+        """Mark a run whose launcher died without saying `status` (failed or interrupted) and record a
+        `recovered` event (rank -1), in one transaction, unless it is no longer created or running, or
+        another launcher owns it now (another process recovered it first). True when this call marked it."""
+        if status not in ("failed", "interrupted"):
+            raise ValueError(f"not the status of a run whose launcher died: {status}")
+        with self.transaction() as c:
+            cur = c.execute("UPDATE runs SET status=?, error=?, finished_at=? WHERE id=? AND launcher_pid IS ?"
+                            " AND status IN ('created', 'running')",
+                            (status, error, finished_at or time.time(), run_id, launcher_pid))
+            if cur.rowcount != 1:
+                return False
+            _insert_event(c, run_id, "recovered", event, -1)
+        return True
 
     def steps(self, run_id: int) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM steps WHERE run_id=? ORDER BY step, rank", (run_id,)).fetchall()
@@ -336,6 +420,70 @@ class Store:
             query, args = query + " WHERE host=?", (host,)
         row = self.conn.execute(query + " ORDER BY id DESC LIMIT 1", args).fetchone()
         return (int(row["id"]), json.loads(row["profile_json"])) if row else None
+
+
+def _insert_event(c: sqlite3.Connection, run_id: int, kind: str, message: str, rank: int) -> None:
+    seq = c.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM events WHERE run_id=? AND rank=?", (run_id, rank)).fetchone()[0]
+    c.execute("INSERT INTO events(run_id, rank, seq, t, kind, message) VALUES (?, ?, ?, ?, ?, ?)",
+              (run_id, rank, seq, time.time(), kind, message))
+
+
+def _seconds(env: str, default: float, given: float | None) -> float:
+    """A time bound: the argument, else the environment variable, else the default."""
+    if given is not None:
+        return float(given)
+    text = os.environ.get(env)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise StoreError(f"{env}={text!r}: not a number of seconds") from None
+    if value < 0:
+        raise StoreError(f"{env}={text!r}: must be >= 0 seconds")
+    return value
+
+
+def _check_file(path: Path) -> None:
+    """Refuse, in one line, what sqlite would refuse with a less helpful message (or not at all)."""
+    if path.is_dir():
+        raise StoreError(f"store {path} is a directory, not a store file: pass --db FILE (a new or existing store)")
+    if not path.parent.exists():
+        raise StoreError(f"store folder {path.parent} does not exist")
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            header = f.read(len(SQLITE_HEADER))
+    except PermissionError:
+        raise StoreError(f"cannot read store {path}: permission denied (chmod u+rw {path}, or pass another --db)") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read store {path}: {exc.strerror or exc}") from None
+    if header and header != SQLITE_HEADER[:len(header)] or 0 < len(header) < len(SQLITE_HEADER):
+        raise StoreError(f"{path} is not a ddlscope store (not an SQLite database): move it away, or pass another --db")
+
+
+def _describe(path: Path, exc: sqlite3.Error) -> str:
+    """One line for an error of the store itself: what is wrong, and what to do."""
+    message = str(exc)
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    if code == 8 or "readonly" in message:  # SQLITE_READONLY
+        return f"store {path} is read-only ({message}): make it and its folder writable, or pass another --db"
+    if code in (11, 26) or "malformed" in message or "not a database" in message:  # SQLITE_CORRUPT, SQLITE_NOTADB
+        return (f"store {path} is damaged or not a ddlscope store ({message}): move it away, or pass another --db "
+                "(`sqlite3 FILE .recover` may save its rows)")
+    if code == 13:  # SQLITE_FULL
+        return f"store {path}: the disk is full ({message}); free space and try again"
+    if code == 14:  # SQLITE_CANTOPEN
+        return f"cannot open store {path} ({message}): check that it and its folder are readable and writable"
+    if code == 10:  # SQLITE_IOERR
+        return f"store {path}: disk I/O error ({message})"
+    return f"store {path}: {message}"
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+    return code in (5, 6) or "locked" in str(exc) or "busy" in str(exc)  # SQLITE_BUSY, SQLITE_LOCKED
 
 
 def _statements() -> list[str]:

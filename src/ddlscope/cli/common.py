@@ -54,9 +54,22 @@ def require_store(db: Path) -> None:
 
 
 def open_store(db: Path) -> Store:
-    """The existing store at `db`."""
+    """The existing store at `db`, after recovering the runs whose launcher died (runtime/recovery.py):
+    their rank files ingested and their status made failed or interrupted, one note line each on stderr."""
+    from ddlscope.runtime.recovery import recover_orphaned_runs
+
     require_store(db)
-    return Store(db)
+    store = Store(db)
+    try:
+        for recovered in recover_orphaned_runs(store, db):
+            err_console.print(f"note: {recovered.note()}", markup=False, highlight=False, soft_wrap=True)
+    except StoreError as exc:  # a read-only store can still be read
+        err_console.print(f"note: runs whose launcher died were not recovered: {exc}", markup=False,
+                          highlight=False, soft_wrap=True)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def print_error(message: str) -> None:
