@@ -92,7 +92,7 @@ def run(
 def _resumable(ref: str, db: Path) -> tuple[Any, Run]:
     """The stored run to resume and its experiment; refused in one line when it cannot be resumed."""
     from ddlscope.runtime.config import experiment_from_dict
-    from ddlscope.runtime.launcher import run_dir_for
+    from ddlscope.runtime.rows import run_dir_for
 
     with open_store(db) as store:
         run_ = store.get_run(ref)

@@ -37,7 +37,7 @@ from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
 from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.netns import ShapedNetwork
-from ddlscope.runtime.rows import done_pids, rank_file, read_records, run_files
+from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, run_dir_for  # noqa: F401 (re-exported)
 from ddlscope.runtime.worker import worker_main
 from ddlscope.specs import ConfigError, Experiment
 from ddlscope.store import Run, Store
@@ -85,10 +85,6 @@ def environment() -> dict[str, Any]:
         "platform": sys.platform,
         "load_average_1m": os.getloadavg()[0],  # other work on the machine skews every timing
     }
-
-
-def run_dir_for(store_path: Path, run_uuid: str) -> Path:
-    return store_path.resolve().parent / "ddlscope-runs" / run_uuid
 
 
 def launch(exp: Experiment, store_path: Path,
@@ -284,14 +280,6 @@ def _environment_variable(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = previous
-
-
-def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
-    def records() -> Any:
-        for path in run_files(run_dir):
-            yield from read_records(path)
-
-    return store.ingest(run_id, records())
 
 
 def _first_failure(exc: ChildFailedError) -> str:

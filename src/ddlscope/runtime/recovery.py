@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddlscope.runtime.rows import ingest_run_dir, run_dir_for, run_files
 from ddlscope.store import Run, Store
 
 # What a rank writes when it is interrupted (runtime/worker.py records the exception as an `error` event).
@@ -53,12 +54,11 @@ def recover_orphaned_runs(store: Store, store_path: Path) -> list[RecoveredRun]:
     orphans = orphaned_runs(store)
     if not orphans:
         return []
-    from ddlscope.runtime.launcher import ingest_run_dir, run_dir_for  # imports torch: only when needed
 
     recovered = []
     for run in orphans:
         run_dir = run_dir_for(Path(store_path), run.uuid)
-        files = sorted(run_dir.glob("*rank-*.jsonl")) if run_dir.is_dir() else []
+        files = run_files(run_dir) if run_dir.is_dir() else []
         rows = ingest_run_dir(store, run.id, run_dir) if files else {}
         steps = rows.get("step", 0)
         if files:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from ddlscope.store import Store
+
 
 class RowWriter:
     """Appends to the rank's file. A restarted or resumed rank appends to the file its earlier attempt
@@ -99,6 +101,20 @@ def read_records(path: Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+def run_dir_for(store_path: Path, run_uuid: str) -> Path:
+    """A run's folder (row files, logs, heartbeats, checkpoints): beside the store, by uuid."""
+    return store_path.resolve().parent / "ddlscope-runs" / run_uuid
+
+
+def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
+    """Every row of a run's files into the store, in one transaction (idempotent)."""
+    def records() -> Iterator[dict[str, Any]]:
+        for path in run_files(run_dir):
+            yield from read_records(path)
+
+    return store.ingest(run_id, records())
 
 
 def run_files(run_dir: Path) -> list[Path]:
