@@ -118,7 +118,9 @@ def no_process_left(pids: list[int]) -> bool:
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_worker_killed_at_a_random_step_restarts_to_bit_identical_parameters(strategy, tmp_path):
     steps = 40
-    common = [*STRATEGIES[strategy], "--steps", str(steps), "--seed", "3", "--quiet", *SLOW_LINK]
+    # momentum: the optimizer has state a restart must bring back
+    common = [*STRATEGIES[strategy], "--steps", str(steps), "--seed", "3", "--quiet", *SLOW_LINK,
+              "--set", "workload.momentum=0.9"]
     kill_at = random.Random().randrange(12, 30)
     print(f"killing rank 1 of {strategy} once it has done {kill_at} steps")
 
@@ -231,3 +233,53 @@ def test_resume_refuses_a_finished_run_and_other_input(tmp_path, cli):
     assert result.returncode == 2 and "finished" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     result = cli("run", "--resume", "1", "--steps", "3", timeout_s=60)
     assert result.returncode == 2 and "--steps" in result.stderr
+
+
+# ---------------------------------------------------------------------------- preemptible workers
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ps-async", "ssp"])
+def test_preempted_worker_leaves_the_survivors_training_and_returns_with_the_newest_model(strategy, cli, tmp_path):
+    steps, down_s = 30, 2.0
+    result = cli("run", "--strategy", strategy, "--world-size", "3", "--batch-size", "60", "--steps", str(steps),
+                 "--quiet", "--set", f"cluster.preemptions=[{{rank = 1, step = 5, down_s = {down_s}}}]",
+                 *SLOW_LINK[:2], "--set", "cluster.network.alpha_us=5000", *SLOW_LINK[4:], timeout_s=240)
+    assert result.returncode == 0, result.stderr
+    with sqlite3.connect(tmp_path / "ddlscope.db") as conn:
+        steps_by_rank = dict(conn.execute("SELECT rank, COUNT(DISTINCT step) FROM steps GROUP BY rank").fetchall())
+        updates = conn.execute("SELECT worker, worker_step FROM updates").fetchall()
+        events = {(rank, kind): message for rank, kind, message in
+                  conn.execute("SELECT rank, kind, message FROM events")}
+        t = {(rank, kind): t for rank, kind, t in conn.execute("SELECT rank, kind, t FROM events")}
+        rank0_steps = conn.execute("SELECT t_s FROM steps WHERE rank=0").fetchall()
+        losses = [loss for (loss,) in conn.execute("SELECT loss FROM steps WHERE rank=1 AND step>=5")]
+    assert steps_by_rank == {0: steps, 1: steps, 2: steps}
+    # The server's counters: every push of every worker applied exactly once, none lost.
+    for worker in range(3):
+        pushed = sorted(s for w, s in updates if w == worker)
+        assert pushed == list(range(steps)), f"worker {worker}'s updates: {pushed}"
+    server = 3
+    assert f"updates={3 * steps}" in events[server, "server_end"]
+    # It really left and came back: away about down_s, and pulled the version the server had then.
+    away_s = t[1, "rejoined"] - t[1, "preempted"]
+    assert down_s <= away_s < down_s + 5
+    joined_version = events[server, "worker_joined"].split("version=")[1]
+    assert events[1, "rejoined"].endswith(f"model version {joined_version}")
+    assert int(joined_version) > int(events[server, "worker_left"].split("version=")[1])  # survivors trained on
+    # The survivors kept stepping while it was away.
+    start0 = t[0, "train_start"]
+    during = [s for (s,) in rank0_steps if t[1, "preempted"] < start0 + s < t[1, "rejoined"]]
+    assert len(during) >= 3
+    # Its model was discarded (NaN) on leaving: finite losses afterwards prove it pulled a whole one.
+    assert all(loss == loss for loss in losses) and len(losses) == steps - 5
+
+    report = cli("report", "1", "-o", "r.html", timeout_s=120)
+    assert report.returncode == 0 and "Timeline: preemptions" in (tmp_path / "r.html").read_text()
+
+
+def test_preemption_is_refused_where_a_worker_cannot_go_missing(cli, tmp_path):
+    for strategy in ("ddp", "ps-sync"):
+        result = cli("run", "--strategy", strategy, "--world-size", "2", "--steps", "10",
+                     "--set", "cluster.preemptions=[{rank = 1, step = 5}]", timeout_s=60)
+        assert result.returncode == 2 and "preemption" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ddlscope.db").exists()

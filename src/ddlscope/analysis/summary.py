@@ -123,7 +123,8 @@ def summarize(store: Store, run: Run) -> Summary:
     final_eval = dict(evals[-1]) if evals else None
     if final_eval:
         final_eval.pop("run_id", None)
-    last_losses = [r["loss"] for r in rows if steps and r["step"] == steps[-1]]
+    # A diverged step stores its NaN loss as NULL: the mean is over the finite ones (None when there are none).
+    last_losses = [r["loss"] for r in rows if steps and r["step"] == steps[-1] and r["loss"] is not None]
 
     oversubscribed = _oversubscribed(run)
     cpu_step = (statistics.fmean(max(r["step_s"] - r["forward_s"] - r["backward_s"] + r["compute_cpu_s"] for r in rs)

@@ -404,3 +404,32 @@ def server_time_share(labels: Sequence[str], apply_share: Sequence[float | None]
     ax.grid(False, axis="y")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _render(fig)
+
+
+@_styled
+def rank_timeline(steps: Mapping[int, Sequence[tuple[float, float]]],
+                  away: Sequence[tuple[int, float, float]], title: str = "") -> str | None:
+    """Each rank's steps over wall time (one bar per step), and the spans a worker was away
+    (preempted): the survivors' bars go on through them."""
+    ranks = sorted(steps)
+    if not ranks:
+        return None
+    fig, axes = _figure(9.0, 0.5 + 0.45 * len(ranks))
+    ax = axes[0][0]
+    for row, rank in enumerate(ranks):
+        ax.broken_barh(list(steps[rank]), (row - 0.35, 0.7), facecolors=color(0), linewidth=0)
+    for rank, begin_s, end_s in away:
+        if rank in steps:
+            row = ranks.index(rank)
+            ax.broken_barh([(begin_s, end_s - begin_s)], (row - 0.45, 0.9), facecolors="none",
+                           edgecolors=color(3), hatch="///", linewidth=1.0)
+            ax.annotate(f"preempted {end_s - begin_s:.1f} s", (begin_s, row + 0.42), fontsize=7.5, color=color(3))
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    ax.invert_yaxis()
+    ax.set_xlabel("wall time since the first rank started training (s)")
+    if title:
+        ax.set_title(_shorten(title, 80), fontsize=9)
+    fig.tight_layout()
+    return _render(fig)

@@ -50,6 +50,7 @@ class RunData:
     train_wall_s: float | None
     staleness: list[int] = field(default_factory=list)
     servers: list[dict[str, Any]] = field(default_factory=list)
+    timeline: str | None = None  # each rank's steps over time, drawn when a worker was preempted
 
     @property
     def is_ps(self) -> bool:
@@ -104,14 +105,37 @@ def collect(store: Store, run: Run, label: str | None = None, summary: Summary |
             metric_name = metric_name or e["metric_name"]
 
     updates = store.updates(run.id)
-    servers = _servers(updates, store.events(run.id))
+    events = store.events(run.id)
+    servers = _servers(updates, events)
     return RunData(
         run=run, label=label or run_label(run), summary=summary or summarize(store, run),
         step_times_s=[slowest[s] for s in sorted(slowest)], rank_breakdown=rank_breakdown,
         curve=[curve[s] for s in sorted(curve)], metric_name=metric_name,
         train_wall_s=max(ends) if ends else None,
         staleness=[u["staleness"] for u in updates if u["staleness"] is not None], servers=servers,
+        timeline=_fig_timeline(steps, events, label or run_label(run)),
     )
+
+
+def _fig_timeline(steps: Sequence[Any], events: Sequence[Any], label: str) -> str | None:
+    """Steps per rank over wall time, with the spans workers were preempted; None without preemptions.
+
+    Step rows time from each rank's own training start (t_s); events carry wall-clock time, so each
+    rank's `train_start` event puts both on one axis, zero at the first rank's start."""
+    if not any(e["kind"] == "preempted" for e in events):
+        return None
+    started = {e["rank"]: e["t"] for e in events if e["kind"] == "train_start"}
+    if not started:
+        return None
+    zero = min(started.values())
+    bars: dict[int, list[tuple[float, float]]] = {}
+    for r in steps:
+        if r["rank"] in started and r["t_s"] is not None and r["step_s"] is not None:
+            bars.setdefault(r["rank"], []).append((started[r["rank"]] - zero + r["t_s"], r["step_s"]))
+    left = {e["rank"]: e["t"] for e in events if e["kind"] == "preempted"}
+    away = [(e["rank"], left[e["rank"]] - zero, e["t"] - zero) for e in events
+            if e["kind"] == "rejoined" and e["rank"] in left]
+    return figures.rank_timeline(bars, away, title=f"{label}: steps per rank; hatched: preempted")
 
 
 _KV = re.compile(r"(\w+)=([-+0-9.eE]+)")
@@ -369,6 +393,7 @@ def runs_report(store: Store, runs: list[Run], title: str) -> str:
         "fig_scaling": _fig_scaling(series),
         "fig_breakdown": _fig_breakdown(data),
         "fig_rank_breakdowns": [{"label": d.label, "uri": _fig_rank_breakdown(d)} for d in data if d.rank_breakdown],
+        "fig_timelines": [{"label": d.label, "uri": d.timeline} for d in data if d.timeline],
         "fig_steps": figures.step_time_distribution({d.label: d.step_times_s for d in data}),
         "fig_memory": _fig_memory(data, "memory by category per rank"),
         "memory": [{"label": d.label, "ranks": sorted(d.summary.memory_bytes_by_rank.items()),
