@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -259,14 +259,57 @@ def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs
     otherwise: two threads per rank on 2 cores made a 2-rank DDP step 4.7x slower); this
     process's own setting is put back afterwards.
     """
-    config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id, rdzv_backend="c10d",
-        rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}", rdzv_configs={"is_host": is_host, "timeout": 600},
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
     quiet_torch_logging()
-    with _environment_variable("OMP_NUM_THREADS", str(threads_per_rank)):  # the spawned ranks inherit it
+    with _environment_variable("OMP_NUM_THREADS", str(threads_per_rank)), \
+            (nullcontext(rdzv_endpoint) if rdzv_endpoint else _loopback_only()) as endpoint:  # type: ignore[attr-defined]
+        config = LaunchConfig(
+            min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id, rdzv_backend="c10d",
+            rdzv_endpoint=endpoint, rdzv_configs={"is_host": is_host, "timeout": 600},
+            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+            local_addr=None if rdzv_endpoint else LOOPBACK,
+            **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
         return elastic_launch(config, entrypoint)(*args)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+@contextmanager
+def _loopback_only() -> Iterator[str]:
+    """A local run listens on 127.0.0.1 only; yields the rendezvous endpoint.
+
+    torch's elastic agent creates two TCPStore servers (the rendezvous's, and the one the workers
+    build their process group on), and a TCPStore server listens on every interface whatever host
+    it is given. A TCPStore given an already-listening socket (`master_listen_fd`) uses it, and
+    multi-tenant stores on one port share one server: so the rendezvous port is a socket bound to
+    127.0.0.1, served by a store made here, which the agent's own store then joins; the second
+    server is built the same way through the rendezvous handler's one hook for it. gloo's own
+    connections follow MASTER_ADDR (`local_addr`) to loopback, and GLOO_SOCKET_IFNAME=lo for them.
+    """
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    sockets: list[socket.socket] = []
+
+    def loopback_server() -> Any:
+        sock = socket.socket()
+        sock.bind((LOOPBACK, 0))
+        sock.listen(1024)
+        sockets.append(sock)
+        return dist.TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, multi_tenant=True,
+                             master_listen_fd=sock.fileno(), wait_for_workers=False)
+
+    rendezvous_store = loopback_server()
+    original = DynamicRendezvousHandler._create_tcp_store_server
+    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: loopback_server()  # type: ignore
+    try:
+        with _environment_variable("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo")):
+            yield f"{LOOPBACK}:{rendezvous_store.port}"
+    finally:
+        DynamicRendezvousHandler._create_tcp_store_server = original  # type: ignore[method-assign]
+        del rendezvous_store
+        for sock in sockets:
+            sock.detach()  # the store's server owns the descriptor now
 
 
 @contextmanager
