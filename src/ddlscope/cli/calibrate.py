@@ -51,7 +51,8 @@ def calibrate(
     if load > cores / 2:
         console.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cores} cores during calibration: "
                       "other processes were running; figures may be pessimistic and noisy")
-    console.print(f"profile: {path.resolve()} (also calibration {calibration_id} in {db})")
+    console.print(f"profile: {path.resolve()} (also calibration {calibration_id} in {db})", markup=False,
+                  highlight=False)
 
 
 def parse_world_sizes(text: str) -> list[int]:

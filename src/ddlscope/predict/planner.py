@@ -17,7 +17,7 @@ import numpy as np
 
 from ddlscope.predict.catalogue import Cluster, make_cluster
 from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
-from ddlscope.predict.predictor import prediction_from_arrays
+from ddlscope.predict.predictor import prediction_from_arrays, validate_model
 from ddlscope.predict.specs import ModelSpec, Prediction
 from ddlscope.specs import ConfigError
 
@@ -93,6 +93,9 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
         raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
     if top < 1:
         raise ConfigError(f"top = {top}: must be >= 1")
+    if max_micro_batch < 1:
+        raise ConfigError(f"max_micro_batch = {max_micro_batch}: must be >= 1")
+    validate_model(model, cluster)  # the checks `predict` makes of the model, before searching
     start = time.perf_counter()
     node_counts = divisors(cluster.nodes) if rank_by == "cost" else [cluster.nodes]
     scored: list[tuple[Cluster, ConfigArrays, dict[str, np.ndarray]]] = []

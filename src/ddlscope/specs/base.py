@@ -11,8 +11,13 @@ class ConfigError(ValueError):
     """A user's configuration is invalid. Its message is one line for the terminal."""
 
 
+# The largest integer SQLite (and numpy's int64) holds: a seed or size past it cannot be stored.
+MAX_INT64 = 2**63 - 1
+
+
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # allow_inf_nan=False: `lr = inf` or `nan` (TOML reads both) is refused here, not in every rank.
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
@@ -26,7 +31,7 @@ def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
         allowed = ", ".join(sorted(_allowed_fields(err.title, first["loc"])))
         return f"{loc} = {value!r}: unknown field; allowed: {allowed}"
     msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "value_error" or not first["loc"]:
+    if not first["loc"] or (first["type"] == "value_error" and isinstance(value, (dict, list))):
         return f"{loc or prefix}: {msg}"
     return f"{loc} = {value!r}: {msg}"
 
