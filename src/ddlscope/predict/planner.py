@@ -51,8 +51,9 @@ class PlanResult:
         return self.evaluated / self.search_s if self.search_s > 0 else float("inf")
 
 
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def divisors(n: int, at_most: int | None = None) -> list[int]:
+    """The divisors of n, up to `at_most` (all of them by default)."""
+    return [k for k in range(1, min(n, at_most if at_most is not None else n) + 1) if n % k == 0]
 
 
 def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int = MAX_MICRO_BATCH,
@@ -65,8 +66,8 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
         return _empty()
     tp = np.array([t for t, _ in pairs])
     pp = np.array([p for _, p in pairs])
-    micro = np.array([b for b in divisors(model.global_batch) if b <= max_micro_batch])
-    interleave = np.array([v for v in divisors(model.layers) if v <= max_interleave])
+    micro = np.array(divisors(model.global_batch, max_micro_batch))  # not a loop to a huge batch
+    interleave = np.array(divisors(model.layers, max_interleave))
     axes = np.meshgrid(np.arange(len(pairs)), micro, np.arange(4), np.arange(3), np.array([False, True]),
                        interleave, np.arange(2), indexing="ij")
     pair_i, b, zero, rc, sp, v, sched = (a.ravel() for a in axes)

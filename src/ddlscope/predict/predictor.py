@@ -11,6 +11,9 @@ from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES, ModelSpec, P
 from ddlscope.specs import ConfigError
 
 GB = 1e9
+# Past these a model is a typo, not a plan (and its FLOP and byte counts leave int64).
+MODEL_LIMITS = {"hidden": 2**20, "heads": 2**16, "layers": 2**16, "seq": 2**24, "vocab": 2**24, "global_batch": 2**24,
+                "ffn_hidden": 2**22, "kv_heads": 2**16}
 
 
 def validate_model(model: ModelSpec, cluster: Cluster) -> None:
@@ -21,6 +24,9 @@ def validate_model(model: ModelSpec, cluster: Cluster) -> None:
     for name in ("ffn_hidden", "kv_heads"):
         if getattr(model, name) < 0:
             raise ConfigError(f"{name} = {getattr(model, name)}: must be >= 0 (0: the default)")
+    for name, limit in MODEL_LIMITS.items():
+        if getattr(model, name) > limit:
+            raise ConfigError(f"{name} = {getattr(model, name)}: at most {limit:,}")
     if model.hidden % model.heads:
         raise ConfigError(f"hidden = {model.hidden}: must be divisible by heads = {model.heads}")
     if model.kv_heads and model.heads % model.kv_heads:

@@ -184,6 +184,10 @@ class Experiment(Spec):
 
 def check_consistency(exp: Experiment) -> None:
     """Cross-section checks that no single section can make on its own."""
+    for field in ("name", "save_model_path", "checkpoint_dir"):  # a line break would split a table row or a path
+        value = getattr(exp, field) or ""
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ConfigError(f"{field} = {value!r}: holds a line break or control character; remove it")
     ws = exp.cluster.world_size
     if exp.strategy.traits.single_process and ws != 1:
         raise ConfigError(
