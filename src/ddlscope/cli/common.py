@@ -18,7 +18,7 @@ from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB, Store, StoreError
 
 __all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "check_local_ranks", "check_output_folder",
-           "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters",
+           "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters", "one_line",
            "json_option", "max_ranks_per_node", "open_store", "print_error", "require_store", "run_app",
            "wide_when_piped"]
 
@@ -61,8 +61,14 @@ def open_store(db: Path) -> Store:
 
 
 def print_error(message: str) -> None:
-    """One line on stderr; markup off, so that brackets in a user's value print as typed."""
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    """One line on stderr; markup off, so that brackets in a user's value print as typed, and a line break
+    (or other control character) in a user's key or value shown escaped, as \\n, so that it stays one line."""
+    err_console.print(f"error: {one_line(message)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def one_line(text: str) -> str:
+    """`text` with each control character written as its escape (a newline as \\n)."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 def run_app(app: typer.Typer, argv: list[str] | None) -> int:

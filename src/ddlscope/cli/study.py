@@ -15,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.markup import escape
 from rich.table import Column, Table
 
-from ddlscope.cli.common import DEFAULT_DB, DbOption, UserError, console, err_console
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_local_ranks, check_run_outputs, console,
+                                 err_console)
 from ddlscope.specs import ConfigError
 
 if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load it when a command runs
@@ -58,6 +59,9 @@ def sweep(
     from ddlscope.studies.sweep import load_sweep
 
     study, cells = load_sweep(grid)  # every cell validated before the first one starts
+    for cell in cells:  # and each one runnable here: no cell fails after the others have run
+        check_run_outputs(cell.experiment)
+        check_local_ranks(cell.experiment)
     check_db_folder(db)
     run_study_command("sweep", study, study.name, cells, db, fresh, output or Path(f"{study.name}-report.html"),
                       f"ddlscope sweep {study.name}")
