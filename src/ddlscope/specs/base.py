@@ -31,7 +31,7 @@ def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
         allowed = ", ".join(sorted(_allowed_fields(err.title, first["loc"])))
         return f"{loc} = {value!r}: unknown field; allowed: {allowed}"
     msg = first["msg"].removeprefix("Value error, ")
-    if not first["loc"] or (first["type"] == "value_error" and isinstance(value, (dict, list))):
+    if first["type"] == "value_error" or not first["loc"]:
         return f"{loc or prefix}: {msg}"
     return f"{loc} = {value!r}: {msg}"
 

@@ -42,7 +42,7 @@ class WorkloadSpec(Spec):
         # A validator here, not `le=` on the Field: workloads redeclare batch_size and steps with their defaults.
         bound = MAX_BATCH if info.field_name == "batch_size" else MAX_STEPS
         if isinstance(value, int) and value > bound:
-            raise ValueError(f"at most {bound:,}" + (" samples per step" if bound == MAX_BATCH else ""))
+            raise ValueError(f"{value} is more than {bound:,}" + (" samples per step" if bound == MAX_BATCH else ""))
         return value
 
 
