@@ -339,6 +339,11 @@ def advise(exp: Experiment, cluster: Cluster | str, stragglers: float = 1.0, db:
     if not (stragglers >= 1.0) or math.isinf(stragglers):
         raise ConfigError(f"--stragglers = {stragglers}: must be a finite number >= 1 (1 = no straggler)")
     n = cluster.n_gpus
+    batch = exp.workload.batch_size
+    if batch < n or batch % n:  # each GPU takes batch / n samples: a fraction of one is no batch
+        suggestion = n * max(1, round(batch / n))
+        raise ConfigError(f"workload.batch_size = {batch}: must be a multiple of the {n} GPUs of {cluster} "
+                          f"(each takes batch_size / {n} samples); e.g. --batch-size {suggestion}")
     profile = profile or profile_workload(exp, n)
     fraction = achieved_fraction(profile, cluster)
     pw = pst.Workload(name=profile.name, params=float(profile.params),

@@ -179,8 +179,10 @@ class CalibrationProfile(_Table):
             raise ConfigError(f"calibration file {path} does not exist (run `ddlscope calibrate` first)")
         try:
             raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"calibration file {path} is not valid TOML: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # garbage bytes are not UTF-8 text
+            raise ConfigError(f"calibration file {path} is not valid TOML: {' '.join(str(exc).split())}") from None
+        except OSError as exc:
+            raise ConfigError(f"calibration file {path} cannot be read: {exc.strerror or exc}") from None
         if "compute" not in raw or "collectives" not in raw:
             raise ConfigError(f"calibration file {path} has no [compute] / [collectives] tables")
         return cls.coerce(raw, f"calibration file {path}")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ddlscope.cli.common import DEFAULT_DB, JsonOption, cluster_from_text, db_option, wide_when_piped
@@ -67,19 +68,19 @@ def _print(result: Any) -> None:
     from ddlscope.advise import duration_text
 
     with wide_when_piped(PIPED_WIDTH) as out:
-        out.print(f"[bold]{result.experiment}[/bold] ({result.workload['name']}, "
-                  f"{result.workload['params'] / 1e6:.4g}M parameters) on {result.cluster}: {result.workers} workers"
+        out.print(f"[bold]{escape(str(result.experiment))}[/bold] ({escape(str(result.workload['name']))}, "
+                  f"{result.workload['params'] / 1e6:.4g}M parameters) on {escape(str(result.cluster))}: {result.workers} workers"
                   + (f", one {result.stragglers:g}x slower" if result.stragglers > 1 else ""))
         table = Table("#", "strategy", "step", "comm (waited)", "samples/s", "GiB/GPU", "fits", "$/step", "experiment")
         for r in result.strategies:
-            table.add_row(str(r.rank), r.strategy, _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
+            table.add_row(str(r.rank), escape(r.strategy), _ms(r.step_s), f"{_ms(r.comm_s)} ({_ms(r.exposed_comm_s)})",
                           f"{r.samples_per_s:.4g}", f"{r.memory_gib_per_gpu:.3g}", "yes" if r.fits else "[red]no[/red]",
                           f"{r.cost_usd_per_step:.3g}", duration_text(r.experiment_time_s))
         out.print(table)
         for r in result.strategies:
             if not r.synchronous:
                 out.print(f"staleness penalty, {r.strategy}: {r.staleness_penalty}", markup=False, highlight=False)
-        out.print(f"[bold]recommendation: {result.recommendation}[/bold]")
+        out.print(f"[bold]recommendation: {escape(str(result.recommendation))}[/bold]")
         for reason in result.reasons:
             out.print(f"- {reason}", markup=False, highlight=False)
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from ddlscope.cli.common import DEFAULT_DB, console, db_option, json_option
+from ddlscope.cli.common import DEFAULT_DB, console, db_option, json_option, max_ranks_per_node
 from ddlscope.specs import ConfigError
 from ddlscope.store import Store
 
@@ -51,7 +51,8 @@ def calibrate(
     if load > cores / 2:
         console.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cores} cores during calibration: "
                       "other processes were running; figures may be pessimistic and noisy")
-    console.print(f"profile: {path.resolve()} (also calibration {calibration_id} in {db})")
+    console.print(f"profile: {path.resolve()} (also calibration {calibration_id} in {db})", markup=False,
+                  highlight=False)
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -61,6 +62,10 @@ def parse_world_sizes(text: str) -> list[int]:
         raise ConfigError(f"--world-sizes = {text!r}: expected comma-separated integers, e.g. 2,4") from None
     if not sizes or any(s < 2 for s in sizes):
         raise ConfigError(f"--world-sizes = {text!r}: each world size must be >= 2")
+    limit, why = max_ranks_per_node()
+    if max(sizes) > limit:
+        raise ConfigError(f"--world-sizes = {text!r}: {max(sizes)} ranks is more than this machine starts "
+                          f"({limit}: {why})")
     return sorted(set(sizes))
 
 

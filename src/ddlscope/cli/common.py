@@ -17,8 +17,9 @@ from rich.console import Console
 from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB, Store, StoreError
 
-__all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "cluster_from_text", "console", "db_option",
-           "err_console", "json_option", "open_store", "print_error", "require_store", "run_app",
+__all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "check_local_ranks", "check_output_folder",
+           "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters", "one_line",
+           "json_option", "max_ranks_per_node", "open_store", "print_error", "require_store", "run_app",
            "wide_when_piped"]
 
 # The CLI's two consoles: results on stdout, notes and errors on stderr.
@@ -73,8 +74,14 @@ def open_store(db: Path) -> Store:
 
 
 def print_error(message: str) -> None:
-    """One line on stderr; markup off, so that brackets in a user's value print as typed."""
-    err_console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    """One line on stderr; markup off, so that brackets in a user's value print as typed, and a line break
+    (or other control character) in a user's key or value shown escaped, as \\n, so that it stays one line."""
+    err_console.print(f"error: {one_line(message)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def one_line(text: str) -> str:
+    """`text` with each control character written as its escape (a newline as \\n)."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 def run_app(app: typer.Typer, argv: list[str] | None) -> int:
@@ -124,3 +131,65 @@ def cluster_from_text(text: str, calibration: Optional[Path], db: Path) -> Any:
     if cluster_name(str(text)) == LOCAL:
         return parse_cluster(str(text), local_profile=this_machine_profile(calibration, db))
     return parse_cluster(str(text))
+
+
+# ---------------------------------------------------------------------------- checks before anything starts
+# Ranks one node may start: a few per core (the studies oversubscribe up to this), and the open files a
+# launcher's rank needs (pipes, logs, row files, sockets); past either the run fails only once it has started.
+RANKS_PER_CORE = 8
+MIN_RANKS_PER_NODE = 64
+FILES_PER_RANK = 16
+
+
+def max_ranks_per_node() -> tuple[int, str]:
+    """How many ranks this machine may start, and what sets that bound (for the message)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    by_cores = max(MIN_RANKS_PER_NODE, RANKS_PER_CORE * cores)
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = -1
+    if soft > 0 and soft // FILES_PER_RANK < by_cores:
+        return soft // FILES_PER_RANK, (f"the open-file limit {soft} allows {soft // FILES_PER_RANK} "
+                                        f"({FILES_PER_RANK} files per rank); raise it with `ulimit -n`")
+    return by_cores, f"{RANKS_PER_CORE} per core on {cores} cores, and never fewer than {MIN_RANKS_PER_NODE}"
+
+
+def check_local_ranks(exp: Any) -> None:
+    """Refuse more ranks on this node than it can start (a world size of 10000 on one machine)."""
+    ranks = exp.cluster.procs_per_node + (exp.strategy.extra_ranks() if exp.cluster.node_rank == 0 else 0)
+    limit, why = max_ranks_per_node()
+    if ranks > limit:
+        raise UserError(f"cluster.world_size = {exp.cluster.world_size}: {ranks} ranks on this node, more than "
+                        f"{limit} ({why}); use fewer ranks, or spread them over nodes (--nnodes, `ddlscope slurm`)")
+
+
+def check_output_folder(path: Path, what: str) -> None:
+    """Refuse a file to write whose folder is missing (or that is a folder), before any work is done."""
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory; give a file name, e.g. {path / 'out'}")
+    folder = path.resolve().parent
+    if not folder.is_dir():
+        raise UserError(f"{what} {path}: folder {folder} does not exist (create it first)")
+
+
+def check_run_outputs(exp: Any) -> None:
+    """save_model_path and checkpoint_dir: their folders must exist before a run trains for them."""
+    if exp.save_model_path:
+        check_output_folder(Path(exp.save_model_path), "save_model_path =")
+    if exp.checkpoint_dir:
+        folder = Path(exp.checkpoint_dir)
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"checkpoint_dir = {folder}: is a file; give a folder")
+        if not folder.resolve().parent.is_dir():
+            raise UserError(f"checkpoint_dir = {folder}: folder {folder.resolve().parent} does not exist "
+                            "(create it first)")
+
+
+def has_control_characters(text: str) -> bool:
+    """True when `text` holds a newline, tab or other control character (a script line of its own)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)

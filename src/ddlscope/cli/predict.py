@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Column, Table
 
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, JsonOption, RunArg, cluster_from_text, console, db_option,
@@ -349,7 +350,7 @@ def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_js
         return
     console.print(prediction_table(result))
     for note in result["predicted"]["notes"]:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(str(note))}")
 
 
 def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict[str, Any]:
@@ -377,8 +378,9 @@ def prediction_table(result: dict[str, Any]) -> Table:
     p, m = result["predicted"], result["measured"]
     r = result["run"]
     table = Table("", "predicted", "measured", "error",
-                  title=f"run {r['id']}: {r['strategy']} x{r['world_size']} {r['workload']} (network {r['network']})",
-                  caption=f"machine profile: {result.get('calibration', '-')}")
+                  title=escape(f"run {r['id']}: {r['strategy']} x{r['world_size']} {r['workload']} "
+                               f"(network {r['network']})"),
+                  caption=escape(f"machine profile: {result.get('calibration', '-')}"))
 
     def ms(v: float | None) -> str:
         return f"{v * 1e3:.3f} ms" if v is not None else "-"
@@ -400,7 +402,7 @@ def prediction_table(result: dict[str, Any]) -> Table:
 
 # ---------------------------------------------------------------------------- output
 def _print_prediction(p: Any, label: str, spot: bool) -> None:
-    console.print(f"[bold]{p.cluster}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
+    console.print(f"[bold]{escape(str(p.cluster))}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
     head = Table(show_header=False, box=None, pad_edge=False)
     head.add_row("step time", f"{p.step_time_s:.4g} s")
     head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU (with recomputation), "
@@ -427,7 +429,7 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
 def _print_plan(result: Any) -> None:
     from ddlscope.predict import ParallelSpec
 
-    console.print(f"[bold]{result.cluster}[/bold]: {result.evaluated:,} valid configurations scored in "
+    console.print(f"[bold]{escape(str(result.cluster))}[/bold]: {result.evaluated:,} valid configurations scored in "
                   f"{result.search_s * 1e3:.1f} ms ({result.configs_per_s:,.0f}/s), {result.feasible:,} fit; "
                   f"ranked by {result.rank_by}")
     if not result.rows:
@@ -443,4 +445,4 @@ def _print_plan(result: Any) -> None:
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)
     for r in result.rows:
-        console.print(f"#{r.rank} {r.why}")
+        console.print(f"#{r.rank} {r.why}", markup=False, highlight=False)

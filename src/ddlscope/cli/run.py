@@ -12,10 +12,11 @@ from typing import Annotated, Any, Optional
 import typer
 from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Column, Table
 
-from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, console, err_console, json_option,
-                                 open_store)
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, check_local_ranks, check_output_folder,
+                                 check_run_outputs, console, err_console, json_option, open_store)
 from ddlscope.specs import is_baseline
 from ddlscope.store import STEP_COLUMNS, Run, Store, StoreError
 
@@ -86,6 +87,8 @@ def run(
     exp = load_experiment(config, overrides)
     if db.parent and not db.resolve().parent.exists():
         raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
+    check_run_outputs(exp)  # a missing folder fails now, not after the last step
+    check_local_ranks(exp)
     _run_and_report(exp, None, db, quiet, as_json)
 
 
@@ -111,7 +114,8 @@ def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json
         result = launch(exp, db, on_progress=on_progress, resume=resume)
 
     if result.run_id is None:
-        console.print(f"node {exp.cluster.node_rank}: {result.status}; this node's ranks sent their rows to node 0's store")
+        console.print(f"node {exp.cluster.node_rank}: {result.status}; this node's ranks sent their rows to node 0's store",
+                      markup=False, highlight=False)
         raise typer.Exit(0 if result.status == "finished" else 1)
     with Store(db) as store:
         from ddlscope.analysis.summary import summarize
@@ -161,7 +165,7 @@ class _progress:
 
 # ---------------------------------------------------------------------------- runs / show
 def runs(db: DbOption = DEFAULT_DB,
-         limit: Annotated[int, typer.Option(help="Show the newest N runs.")] = 50) -> None:
+         limit: Annotated[int, typer.Option(min=1, help="Show the newest N runs.")] = 50) -> None:
     """List the runs in the store, newest first."""
     with open_store(db) as store:
         # Names wrap rather than truncate (they are what one types back as RUN), so that 80 columns hold
@@ -171,7 +175,9 @@ def runs(db: DbOption = DEFAULT_DB,
         for r in store.list_runs(limit):
             steps = store.count_steps(r.id) // max(r.world_size, 1)
             duration = f"{r.finished_at - r.started_at:.1f}s" if r.finished_at and r.started_at else ""
-            table.add_row(str(r.id), r.name, f"{r.workload} {r.strategy} x{r.world_size}", r.shown_status,
+            # escape(): a name like "[/]" is the user's text, not rich markup
+            table.add_row(str(r.id), escape(r.name), escape(f"{r.workload} {r.strategy} x{r.world_size}"),
+                          escape(r.shown_status),
                           str(steps), _when(r.created_at), duration)
         console.print(table)
 
@@ -203,6 +209,8 @@ def export(run_ref: RunArg,
         raise UserError(f"--table = {table!r}: allowed: {', '.join(EXPORT_TABLES)}")
     if fmt == "parquet" and output is None and sys.stdout.isatty():
         raise UserError("--format parquet is binary: give --output FILE, or redirect stdout to a file")
+    if output is not None:
+        check_output_folder(output, "--output")
     with open_store(db) as store:
         run_ = store.get_run(run_ref)
         data = {t: [dict(r) for r in getattr(store, t)(run_.id)] for t in EXPORT_TABLES}
@@ -253,16 +261,22 @@ def _parquet_bytes(rows: list[dict[str, Any]], columns: list[str]) -> bytes:
 
 def _write_text(text: str, output: Optional[Path]) -> None:
     if output:
-        output.write_text(text)
-        err_console.print(f"wrote {output}")
+        try:
+            output.write_text(text)
+        except OSError as exc:
+            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+        err_console.print(f"wrote {output}", markup=False, highlight=False)
     else:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
 def _write_bytes(data: bytes, output: Optional[Path]) -> None:
     if output:
-        output.write_bytes(data)
-        err_console.print(f"wrote {output}")
+        try:
+            output.write_bytes(data)
+        except OSError as exc:
+            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+        err_console.print(f"wrote {output}", markup=False, highlight=False)
     else:
         sys.stdout.flush()  # text printed before must not land after the bytes
         sys.stdout.buffer.write(data)
@@ -276,6 +290,8 @@ def trace(run_ref: RunArg,
     """Merge a traced run's per-rank profiler traces into one chrome-trace / Perfetto JSON (one track per rank)."""
     from ddlscope.analysis.trace_merge import RankTrace, TraceMergeError, merge_traces
 
+    if output is not None:
+        check_output_folder(output, "--output")
     with open_store(db) as store:
         run_ = store.get_run(run_ref)
         traces = {e["rank"]: Path(e["message"].partition("path=")[2]) for e in store.events(run_.id)
@@ -358,10 +374,11 @@ def _fmt_bytes(n: float) -> str:
 
 def _print_summary(s: Any) -> None:
     r = s.run
-    console.print(f"[bold]run {r['id']}[/bold] {r['name']}  {r['workload']} / {r['strategy']} x {r['world_size']} ranks"
-                  f"  status [bold]{r['status']}[/bold]  ({r['code_version']}, seed {r['seed']})")
+    e = {k: escape(str(r[k])) for k in ("name", "workload", "strategy", "status", "code_version")}
+    console.print(f"[bold]run {r['id']}[/bold] {e['name']}  {e['workload']} / {e['strategy']} x {r['world_size']} ranks"
+                  f"  status [bold]{e['status']}[/bold]  ({e['code_version']}, seed {r['seed']})")
     if r["error"]:
-        console.print(f"  error: {r['error']}")
+        console.print(f"  error: {r['error']}", markup=False, highlight=False)
     head = Table(show_header=False, box=None, pad_edge=False)
     head.add_row("steps recorded", f"{s.steps_recorded} x {s.ranks_recorded} ranks "
                  f"(first {s.warmup_steps_excluded} excluded from timing)")
@@ -391,7 +408,7 @@ def _print_summary(s: Any) -> None:
         head.add_row("server busy", f"{s.server_busy_fraction:.1%} of its wall time applying updates")
     if s.final_eval:
         e = s.final_eval
-        head.add_row("final eval", f"{e['metric_name']} {e['metric']:.4f}, loss {e['loss']:.4f} "
+        head.add_row("final eval", f"{escape(str(e['metric_name']))} {e['metric']:.4f}, loss {e['loss']:.4f} "
                      f"after {e['samples_seen']} samples, {e['wall_s']:.1f}s of training")
     console.print(head)
     if s.breakdown_mean_s:
@@ -408,4 +425,4 @@ def _print_summary(s: Any) -> None:
             mt.add_row(str(rank), *(_fmt_bytes(cats[c]) if c in cats else "-" for c in categories))
         console.print(mt)
     for note in s.notes:
-        console.print(f"[yellow]note:[/yellow] {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(str(note))}")

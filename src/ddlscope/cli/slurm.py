@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ddlscope.cli.common import DEFAULT_DB, DbOption, UserError, err_console
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_output_folder, err_console,
+                                 has_control_characters)
+
+# What an #SBATCH line takes as is: a job name of plain characters, and Slurm's time formats
+# (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) or UNLIMITED.
+JOB_NAME = re.compile(r"^[A-Za-z0-9._+\-@]{1,128}$")
+TIME_LIMIT = re.compile(r"^(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|unlimited|infinite)$", re.IGNORECASE)
 
 
 def slurm(
@@ -28,13 +35,33 @@ def slurm(
 
     if nodes < 1 or procs_per_node < 1:
         raise UserError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
+    check_script_values(config, set_ or [], job_name, time_limit, port, db)
+    if output is not None:
+        check_output_folder(output, "--output")
     overrides = dict(parse_override(item) for item in set_ or [])
     overrides.update({"cluster.nnodes": nodes, "cluster.world_size": nodes * procs_per_node,
                       "cluster.rdzv_endpoint": f"127.0.0.1:{port}"})  # placeholder host: the script sets the real one
     load_experiment(config, overrides)  # refuse a bad config now, not on the cluster
     script = sbatch_script(config, nodes, procs_per_node, set_ or [], job_name, time_limit, port, db)
     if output:
-        output.write_text(script)
-        err_console.print(f"wrote {output}; submit with: sbatch {output}")
+        try:
+            output.write_text(script)
+        except OSError as exc:
+            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+        err_console.print(f"wrote {output}; submit with: sbatch {output}", markup=False, highlight=False)
     else:
         sys.stdout.write(script)
+
+
+def check_script_values(config: Path, sets: list[str], job_name: str, time_limit: str, port: int, db: Path) -> None:
+    """Every value the script repeats: no line breaks or control characters (each would be a script
+    line of its own), a plain job name, a Slurm time and a TCP port."""
+    for what, value in (("CONFIG", str(config)), ("--db", str(db)), *(("--set", item) for item in sets)):
+        if has_control_characters(value):
+            raise UserError(f"{what} {value!r}: holds a line break or control character; remove it")
+    if not JOB_NAME.match(job_name):
+        raise UserError(f"--job-name {job_name!r}: use 1-128 letters, digits and . _ + - @ (no spaces or line breaks)")
+    if not TIME_LIMIT.match(time_limit):
+        raise UserError(f"--time {time_limit!r}: expected a Slurm time: MINUTES, HH:MM:SS, D-HH:MM:SS or UNLIMITED")
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port}: must be a TCP port, 1 to 65535")

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Column, Table
 
-from ddlscope.cli.common import DEFAULT_DB, DbOption, UserError, console, err_console
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_local_ranks, check_run_outputs, console,
+                                 err_console)
 from ddlscope.specs import ConfigError
 
 if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load it when a command runs
@@ -57,6 +59,9 @@ def sweep(
     from ddlscope.studies.sweep import load_sweep
 
     study, cells = load_sweep(grid)  # every cell validated before the first one starts
+    for cell in cells:  # and each one runnable here: no cell fails after the others have run
+        check_run_outputs(cell.experiment)
+        check_local_ranks(cell.experiment)
     check_db_folder(db)
     run_study_command("sweep", study, study.name, cells, db, fresh, output or Path(f"{study.name}-report.html"),
                       f"ddlscope sweep {study.name}")
@@ -93,7 +98,7 @@ def run_study_command(kind: str, study: Study, name: str, cells: list[Cell], db:
         task = bar.add_task("cells", total=len(cells), label=kind)
 
         def on_cell(index: int, cell: Cell, state: str) -> None:
-            bar.update(task, completed=index, label=f"{cell.key} ({state})")
+            bar.update(task, completed=index, label=escape(f"{cell.key} ({state})"))
             if not show:  # a log, one line per cell, where no bar can be drawn
                 err_console.print(f"[{index + 1}/{len(cells)}] {cell.key}: {state}", markup=False, highlight=False)
 
@@ -107,7 +112,7 @@ def run_study_command(kind: str, study: Study, name: str, cells: list[Cell], db:
                               soft_wrap=True)
             raise typer.Exit(1)
     print_outcome(console, kind, outcome)
-    console.print(f"report: {outcome.report_path.resolve()}")
+    console.print(f"report: {outcome.report_path.resolve()}", markup=False, highlight=False)
     return outcome
 
 
@@ -115,17 +120,17 @@ def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
     """The cell table, then headlines (for studies that have them), decisions and notes."""
     results, findings = outcome.results, outcome.findings
     reused = sum(r.reused for r in results)
-    out.print(f"[bold]{kind} {outcome.name}[/bold]: {len(results)} cells ({reused} reused from the store)")
+    out.print(f"[bold]{kind} {escape(outcome.name)}[/bold]: {len(results)} cells ({reused} reused from the store)")
     out.print(cell_table(results, outcome.study.cell_columns))
     if outcome.study.has_headlines:
         headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
         for h in findings.headlines:
-            headlines.add_row(h["headline"], h["paper"], h["measured"], h["verdict"])
+            headlines.add_row(*(escape(str(h[k])) for k in ("headline", "paper", "measured", "verdict")))
         out.print(headlines)
     for decision in findings.decisions:
-        out.print(f"- {decision}")
+        out.print(f"- {decision}", markup=False, highlight=False)
     for note in findings.notes:
-        out.print(f"[yellow]note:[/yellow] {note}")
+        out.print(f"[yellow]note:[/yellow] {escape(str(note))}")
 
 
 def cell_table(results: list[CellResult], titles: tuple[str, ...]) -> Table:
@@ -146,7 +151,7 @@ def cell_table(results: list[CellResult], titles: tuple[str, ...]) -> Table:
     # A cell's key is what the store names its run (NAME:KEY): wrapped, never cut to '…'
     table = Table(Column("cell", overflow="fold"), *shown, box=None, pad_edge=False)
     for i, row in enumerate(rows):
-        table.add_row(row.key, *(values[i] for values in shown.values()))
+        table.add_row(escape(row.key), *(values[i] for values in shown.values()))
     return table
 
 

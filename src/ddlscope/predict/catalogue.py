@@ -192,6 +192,7 @@ def _link(key: str, d: dict[str, Any]) -> Link:
                 alpha_s=d["alpha_us"] * 1e-6, efficiency=d["efficiency"])
 
 
+MAX_NODES = 2**17  # past this a cluster string is a typo (and plan's search over node counts would not end)
 _CLUSTER_STRING = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
@@ -208,6 +209,8 @@ def parse_cluster(text: str, catalogue: Catalogue | None = None,
     name, nodes, gpus = match.group(1).lower(), int(match.group(2)), int(match.group(3))
     if nodes < 1 or gpus < 1:
         raise ClusterStringError(f"cluster = {text!r}: nodes and GPUs per node must be >= 1")
+    if nodes > MAX_NODES:
+        raise ClusterStringError(f"cluster = {text!r}: at most {MAX_NODES:,} nodes")
     if name == LOCAL:
         if local_profile is None:
             raise ClusterStringError(f"cluster = {text!r}: {LOCAL} needs this machine's calibration "

@@ -17,7 +17,7 @@ import numpy as np
 
 from ddlscope.predict.catalogue import Cluster, make_cluster
 from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
-from ddlscope.predict.predictor import prediction_from_arrays
+from ddlscope.predict.predictor import prediction_from_arrays, validate_model
 from ddlscope.predict.specs import ModelSpec, Prediction
 from ddlscope.specs import ConfigError
 
@@ -51,8 +51,9 @@ class PlanResult:
         return self.evaluated / self.search_s if self.search_s > 0 else float("inf")
 
 
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def divisors(n: int, at_most: int | None = None) -> list[int]:
+    """The divisors of n, up to `at_most` (all of them by default)."""
+    return [k for k in range(1, min(n, at_most if at_most is not None else n) + 1) if n % k == 0]
 
 
 def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int = MAX_MICRO_BATCH,
@@ -65,8 +66,8 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
         return _empty()
     tp = np.array([t for t, _ in pairs])
     pp = np.array([p for _, p in pairs])
-    micro = np.array([b for b in divisors(model.global_batch) if b <= max_micro_batch])
-    interleave = np.array([v for v in divisors(model.layers) if v <= max_interleave])
+    micro = np.array(divisors(model.global_batch, max_micro_batch))  # not a loop to a huge batch
+    interleave = np.array(divisors(model.layers, max_interleave))
     axes = np.meshgrid(np.arange(len(pairs)), micro, np.arange(4), np.arange(3), np.array([False, True]),
                        interleave, np.arange(2), indexing="ij")
     pair_i, b, zero, rc, sp, v, sched = (a.ravel() for a in axes)
@@ -93,6 +94,9 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
         raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
     if top < 1:
         raise ConfigError(f"top = {top}: must be >= 1")
+    if max_micro_batch < 1:
+        raise ConfigError(f"max_micro_batch = {max_micro_batch}: must be >= 1")
+    validate_model(model, cluster)  # the checks `predict` makes of the model, before searching
     start = time.perf_counter()
     node_counts = divisors(cluster.nodes) if rank_by == "cost" else [cluster.nodes]
     scored: list[tuple[Cluster, ConfigArrays, dict[str, np.ndarray]]] = []

@@ -11,27 +11,43 @@ from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES, ModelSpec, P
 from ddlscope.specs import ConfigError
 
 GB = 1e9
+# Past these a model is a typo, not a plan (and its FLOP and byte counts leave int64).
+MODEL_LIMITS = {"hidden": 2**20, "heads": 2**16, "layers": 2**16, "seq": 2**24, "vocab": 2**24, "global_batch": 2**24,
+                "ffn_hidden": 2**22, "kv_heads": 2**16}
+
+
+def validate_model(model: ModelSpec, cluster: Cluster) -> None:
+    """Refuse a model no parallel configuration can run (what `predict` and `plan` both check)."""
+    for name in ("hidden", "heads", "layers", "seq", "vocab", "global_batch"):
+        if getattr(model, name) < 1:
+            raise ConfigError(f"{name} = {getattr(model, name)}: must be >= 1")
+    for name in ("ffn_hidden", "kv_heads"):
+        if getattr(model, name) < 0:
+            raise ConfigError(f"{name} = {getattr(model, name)}: must be >= 0 (0: the default)")
+    for name, limit in MODEL_LIMITS.items():
+        if getattr(model, name) > limit:
+            raise ConfigError(f"{name} = {getattr(model, name)}: at most {limit:,}")
+    if model.hidden % model.heads:
+        raise ConfigError(f"hidden = {model.hidden}: must be divisible by heads = {model.heads}")
+    if model.kv_heads and model.heads % model.kv_heads:
+        raise ConfigError(f"kv_heads = {model.kv_heads}: must divide heads = {model.heads}")
+    if model.attention not in ("flash", "unfused"):
+        raise ConfigError(f"attention = {model.attention!r}: allowed: flash, unfused")
+    cluster.device.peak(model.dtype)  # raises for a dtype the device has no peak for
 
 
 def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None:
     """Refuse a configuration that cannot run, with one line naming the field and what is allowed."""
-    for name in ("hidden", "heads", "layers", "seq", "vocab", "global_batch"):
-        if getattr(model, name) < 1:
-            raise ConfigError(f"{name} = {getattr(model, name)}: must be >= 1")
+    validate_model(model, cluster)
     for name in ("tp", "pp", "dp", "micro_batch", "interleave"):
         if getattr(parallel, name) < 1:
             raise ConfigError(f"{name} = {getattr(parallel, name)}: must be >= 1")
-    if model.hidden % model.heads:
-        raise ConfigError(f"hidden = {model.hidden}: must be divisible by heads = {model.heads}")
     if parallel.zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero = {parallel.zero}: allowed: 0, 1, 2, 3")
     if parallel.recompute not in RECOMPUTE_CODES:
         raise ConfigError(f"recompute = {parallel.recompute!r}: allowed: {', '.join(RECOMPUTE_CODES)}")
     if parallel.schedule not in SCHEDULE_CODES:
         raise ConfigError(f"schedule = {parallel.schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
-    if model.attention not in ("flash", "unfused"):
-        raise ConfigError(f"attention = {model.attention!r}: allowed: flash, unfused")
-    cluster.device.peak(model.dtype)  # raises for a dtype the device has no peak for
     t, p, d, b, v = parallel.tp, parallel.pp, parallel.dp, parallel.micro_batch, parallel.interleave
     if t * p * d > cluster.n_gpus:
         raise ConfigError(f"tp x pp x dp = {t} x {p} x {d} = {t * p * d}: more than the cluster's "
@@ -40,8 +56,6 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
         raise ConfigError(f"tp = {t}: must divide heads = {model.heads}")
     if model.kv % t:
         raise ConfigError(f"tp = {t}: must divide kv_heads = {model.kv}")
-    if model.kv_heads and model.heads % model.kv_heads:
-        raise ConfigError(f"kv_heads = {model.kv_heads}: must divide heads = {model.heads}")
     if model.layers % p:
         raise ConfigError(f"pp = {p}: must divide layers = {model.layers}")
     if model.global_batch % (d * b):

@@ -11,8 +11,13 @@ class ConfigError(ValueError):
     """A user's configuration is invalid. Its message is one line for the terminal."""
 
 
+# The largest integer SQLite (and numpy's int64) holds: a seed or size past it cannot be stored.
+MAX_INT64 = 2**63 - 1
+
+
 class Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # allow_inf_nan=False: `lr = inf` or `nan` (TOML reads both) is refused here, not in every rank.
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 def describe_validation_error(err: ValidationError, prefix: str = "") -> str:

@@ -12,10 +12,15 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, SerializeAsAny, model_validator
+from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
-from ddlscope.specs.base import ConfigError, Spec, remember_spec_class
+from ddlscope.specs.base import MAX_INT64, ConfigError, Spec, remember_spec_class
 from ddlscope.specs.strategy import StrategySpec
+
+# Bounds past which a run is a typo, not an experiment (a batch of 10**12 fails inside a rank, out of memory).
+MAX_BATCH = 2**20
+MAX_STEPS = 10**9
+MAX_RANKS = 2**20
 
 
 class WorkloadSpec(Spec):
@@ -30,6 +35,15 @@ class WorkloadSpec(Spec):
     lr: float = Field(0.05, gt=0, description="learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0)
+
+    @field_validator("batch_size", "steps", "eval_every", "eval_batches", check_fields=False)
+    @classmethod
+    def _not_absurd(cls, value: int, info) -> int:  # noqa: ANN001 (pydantic's ValidationInfo)
+        # A validator here, not `le=` on the Field: workloads redeclare batch_size and steps with their defaults.
+        bound = MAX_BATCH if info.field_name == "batch_size" else MAX_STEPS
+        if isinstance(value, int) and value > bound:
+            raise ValueError(f"{value} is more than {bound:,}" + (" samples per step" if bound == MAX_BATCH else ""))
+        return value
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,7 @@ _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
 class ClusterSpec(Spec):
-    world_size: int = Field(2, ge=1, description="total ranks over all nodes")
+    world_size: int = Field(2, ge=1, le=MAX_RANKS, description="total ranks over all nodes")
     nnodes: int = Field(1, ge=1, description="nodes (launchers) taking part in the rendezvous")
     node_rank: int = Field(0, ge=0, description="this launcher's node rank (0 hosts the rendezvous and the store)")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (default: 127.0.0.1 and a free port)")
@@ -174,7 +188,7 @@ class ClusterSpec(Spec):
 
 class Experiment(Spec):
     name: str = Field("", description="free-form label shown in `ddlscope runs`")
-    seed: int = Field(0, ge=0, description="seeds model init, data order and sampling")
+    seed: int = Field(0, ge=0, le=MAX_INT64, description="seeds model init, data order and sampling (below 2**63)")
     workload: SerializeAsAny[WorkloadSpec]
     strategy: SerializeAsAny[StrategySpec]
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
@@ -196,6 +210,10 @@ class Experiment(Spec):
 
 def check_consistency(exp: Experiment) -> None:
     """Cross-section checks that no single section can make on its own."""
+    for field in ("name", "save_model_path", "checkpoint_dir"):  # a line break would split a table row or a path
+        value = getattr(exp, field) or ""
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ConfigError(f"{field} = {value!r}: holds a line break or control character; remove it")
     ws = exp.cluster.world_size
     if exp.strategy.traits.single_process and ws != 1:
         raise ConfigError(
