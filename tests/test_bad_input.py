@@ -227,6 +227,16 @@ def test_bad_input(case: str, workdir: Path, capsys: pytest.CaptureFixture[str])
     assert "Traceback" not in out + err
     assert _listing(workdir) == before, "refused input may write nothing: no store, no file"
     assert _runs(workdir / "s.db") == 4
+    documented = _documented_message(case)
+    assert documented == lines[0].replace(str(workdir), "$PWD").replace("|", "\\|"), \
+        f"docs/bad-input.md shows another message for {case}: {documented}"
+
+
+def _documented_message(case: str) -> str:
+    """The message column of the case's row in docs/bad-input.md (| command | input | message | id |)."""
+    table = (Path(__file__).resolve().parents[1] / "docs" / "bad-input.md").read_text()
+    row = next(line for line in table.splitlines() if line.endswith(f" | `test_bad_input[{case}]` |"))
+    return row.split(" | ")[2]
 
 
 # ---------------------------------------------------------------------------- as a user runs it

@@ -39,10 +39,14 @@ def load_experiment(path: str | Path | None = None, overrides: dict[str, Any] | 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder: give the TOML file in it")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
         return tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 

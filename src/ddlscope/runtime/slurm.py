@@ -33,6 +33,11 @@ srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '\\
 
 def sbatch_script(config: Path, nodes: int, procs_per_node: int, sets: list[str], job_name: str,
                   time_limit: str, port: int, db: Path) -> str:
+    # #SBATCH lines are read by sbatch, not a shell: a value there must be one plain line (the CLI
+    # checks the job name and time in full; this is the last guard for every caller).
+    for value in (str(config), job_name, time_limit):
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+            raise ValueError(f"control character in {value!r}: each value must be one line of the script")
     # The whole srun command sits inside single quotes; quote each piece for the inner shell.
     inner = lambda s: shlex.quote(s).replace("'", "'\"'\"'")  # noqa: E731
     set_args = "".join(f" --set {inner(item)}" for item in sets)
