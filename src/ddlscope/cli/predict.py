@@ -29,6 +29,13 @@ A configuration for predict and plan comes from flags, from a TOML file, or both
     interleave = 1
     schedule = "1f1b"             # or "gpipe"
 
+A CNN (`name = "resnet50"`, `"vgg16"` or `"densenet121"`) takes `global_batch`,
+`image_size` (224 ImageNet, 32 CIFAR), `classes`, `dtype` (default fp32 at the
+TF32 peak) and `optimizer` (sgd, sgd-momentum, adamw) in [model], and
+`dp`, `micro_batch`, `zero` (0, or 3 = FSDP), `bucket_mb`, `overlap_grad_reduce`
+and `strategy` (ddp, fsdp, ps-sync, ps-async) in [parallel]; see
+`ddlscope.predict.cnn_predict`.
+
 Bad input raises `ddlscope.specs.ConfigError`; the CLI's main() prints its
 one-line message and exits with status 2.
 """
@@ -51,11 +58,14 @@ from ddlscope.specs import ConfigError
 from ddlscope.store import Store
 
 MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden",
-              "kv_heads", "gated_mlp")
+              "kv_heads", "gated_mlp", "image_size", "classes", "optimizer")
 PARALLEL_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
-                 "overlap_grad_reduce", "bucket_mb")
+                 "overlap_grad_reduce", "bucket_mb", "strategy")
 TOP_KEYS = ("cluster", "spot", "sustained_fraction", "model", "parallel")
-MODELS = ("gpt",)
+CNN_MODELS = ("resnet50", "vgg16", "densenet121")  # = ddlscope.predict.cnn.CNN_MODELS (not imported at startup)
+MODELS = ("gpt", *CNN_MODELS)
+CNN_ONLY_MODEL_KEYS = ("image_size", "classes", "optimizer")
+GPT_ONLY_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "attention", "ffn_hidden", "kv_heads", "gated_mlp")
 REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(
@@ -63,7 +73,11 @@ ConfigArg = Annotated[Optional[Path], typer.Argument(
 ClusterOpt = Annotated[Optional[str], typer.Option(
     "--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
                       "as `ddlscope calibrate` measured it.")]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", help="Model family: gpt.")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", help="gpt (default; --hidden, --heads, ...), or a CNN: resnet50, vgg16, densenet121.")]
+ImageSizeOpt = Annotated[Optional[int], typer.Option(
+    "--image-size", help="CNN input size: 224 (ImageNet network) or 32 (CIFAR variant).")]
+ClassesOpt = Annotated[Optional[int], typer.Option("--classes", help="CNN output classes (default 1000).")]
 HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Hidden size h.")]
 HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Attention heads a.")]
 LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Transformer layers l.")]
@@ -115,6 +129,10 @@ def predict_command(
     ffn_hidden: FfnOpt = None,
     kv_heads: KvHeadsOpt = None,
     gated_mlp: GatedOpt = None,
+    image_size: ImageSizeOpt = None,
+    classes: ClassesOpt = None,
+    strategy: Annotated[Optional[str], typer.Option(
+        "--strategy", help="CNN only: ddp (default), fsdp (= --zero 3), ps-sync or ps-async.")] = None,
     spot: SpotOpt = None,
     sustained_fraction: SustainedOpt = None,
     measured_step_s: Annotated[Optional[float], typer.Option(
@@ -135,16 +153,25 @@ def predict_command(
     raw = _read_config(config)
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
                         layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
-                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp)
+                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
+                        image_size=image_size, classes=classes)
     parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
-                           sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule)
+                           sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule,
+                           strategy=strategy)
     the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
                                                              "--cluster (or cluster in the config file)"),
                                                    calibration, db), sustained_fraction, raw)
+    use_spot = bool(spot if spot is not None else raw.get("spot", False))
+    if _is_cnn(model_raw):
+        _predict_cnn(model_raw, parallel_raw, the_cluster, use_spot, measured_step_s, sustained_fraction, raw,
+                     as_json)
+        return
+    if "strategy" in parallel_raw:
+        raise ConfigError("--strategy is for a CNN model (resnet50, vgg16, densenet121); a GPT's data-parallel "
+                          "strategy is --zero")
     spec = _model_spec(model_raw)
     parallel = _parallel_spec(parallel_raw, the_cluster.n_gpus)
-    use_spot = bool(spot if spot is not None else raw.get("spot", False))
     if measured_step_s is not None:
         if sustained_fraction is not None or "sustained_fraction" in raw:
             raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
@@ -187,6 +214,8 @@ def plan_command(
     ffn_hidden: FfnOpt = None,
     kv_heads: KvHeadsOpt = None,
     gated_mlp: GatedOpt = None,
+    image_size: ImageSizeOpt = None,
+    classes: ClassesOpt = None,
     by: Annotated[str, typer.Option("--by", help="Rank by step time or by cost per step.")] = "time",
     top: Annotated[int, typer.Option("--top", help="How many configurations to show.")] = 5,
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
@@ -202,7 +231,8 @@ def plan_command(
     raw = _read_config(config)
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
                         layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
-                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp)
+                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
+                        image_size=image_size, classes=classes)
     _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS)  # checked, then searched over
     if by not in ("time", "cost"):
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
@@ -211,9 +241,15 @@ def plan_command(
     the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
                                                              "--cluster (or cluster in the config file)"),
                                                    calibration, db), sustained_fraction, raw)
-    spec = _model_spec(model_raw)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
-    result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch)
+    if _is_cnn(model_raw):
+        from ddlscope.predict.cnn_predict import plan_cnn
+
+        result = plan_cnn(_cnn_spec(model_raw), the_cluster, top=top, rank_by=by, spot=use_spot,
+                          max_micro_batch=max_micro_batch)
+    else:
+        spec = _model_spec(model_raw)
+        result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch)
     if as_json:
         print(json.dumps({
             "cluster": result.cluster, "by": result.rank_by, "evaluated": result.evaluated,
@@ -268,12 +304,81 @@ def _required(value: Any, what: str) -> Any:
     return value
 
 
+def _is_cnn(model_raw: dict[str, Any]) -> bool:
+    name = model_raw.get("name", "gpt")
+    if name not in MODELS:
+        raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}")
+    return name in CNN_MODELS
+
+
+def _cnn_spec(raw: dict[str, Any]):
+    from ddlscope.predict.cnn import CNNSpec, validate_cnn
+
+    for key in GPT_ONLY_MODEL_KEYS:
+        if key in raw:
+            raise ConfigError(f"--{key.replace('_', '-')} (model.{key}) is a GPT option; "
+                              f"{raw['name']} takes --global-batch, --image-size, --classes, --dtype")
+    kwargs: dict[str, Any] = {"name": raw["name"], "global_batch": _int(
+        _required(raw.get("global_batch"), "--global-batch (or model.global_batch in the config file)"),
+        "model.global_batch", minimum=1)}
+    for key in ("image_size", "classes"):
+        if key in raw:
+            kwargs[key] = _int(raw[key], f"--{key.replace('_', '-')}", minimum=1)
+    for key in ("dtype", "optimizer"):
+        if key in raw:
+            if not isinstance(raw[key], str):
+                raise ConfigError(f"model.{key} = {raw[key]!r}: must be a string")
+            kwargs[key] = raw[key]
+    spec = CNNSpec(**kwargs)
+    validate_cnn(spec)
+    return spec
+
+
+def _predict_cnn(model_raw: dict[str, Any], parallel_raw: dict[str, Any], cluster: Any, spot: bool,
+                 measured_step_s: Optional[float], sustained_fraction: Optional[float], raw: dict[str, Any],
+                 as_json: bool) -> None:
+    from ddlscope.predict import fit_sustained_fraction
+    from ddlscope.predict.cnn_predict import predict_cnn, strategy_of
+
+    spec = _cnn_spec(model_raw)
+    strategy = parallel_raw.get("strategy")
+    if strategy is not None and not isinstance(strategy, str):
+        raise ConfigError(f"parallel.strategy = {strategy!r}: must be a string")
+    parallel = _parallel_spec(parallel_raw, cluster.n_gpus)
+    strategy = strategy_of(parallel, strategy)
+    fraction = None
+    if measured_step_s is not None:
+        if sustained_fraction is not None or "sustained_fraction" in raw:
+            raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
+        predict_cnn(spec, parallel, cluster, strategy)  # refuse bad input before fitting
+        fraction = fit_sustained_fraction(
+            lambda f: predict_cnn(spec, parallel, cluster.with_sustained_fraction(f), strategy).step_time_s,
+            measured_step_s, cluster.device)
+        cluster = cluster.with_sustained_fraction(fraction)
+    result = predict_cnn(spec, parallel, cluster, strategy, spot=spot)
+    if as_json:
+        out = result.to_dict()
+        out["sustained_fraction"] = cluster.device.efficiency.sustained_fraction
+        if fraction is not None:
+            out["fitted_to_step_s"] = measured_step_s
+        print(json.dumps(out))
+        return
+    _print_prediction(result, f"{strategy} DP{parallel.dp} mb{parallel.micro_batch}", spot)
+    if fraction is not None:
+        console.print(f"sustained_fraction {fraction:.4f} reproduces the measured {measured_step_s:g} s step; pass "
+                      f"--sustained-fraction {fraction:.3f} to predict or plan other configurations on this stack")
+
+
 def _model_spec(raw: dict[str, Any]):
     from ddlscope.predict import ModelSpec
 
     name = raw.get("name", "gpt")
     if name not in MODELS:
         raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}")
+    for key in CNN_ONLY_MODEL_KEYS:
+        if key in raw:
+            raise ConfigError(f"--{key.replace('_', '-')} (model.{key}) is for a CNN model "
+                              f"({', '.join(CNN_MODELS)})")
     for key in REQUIRED_MODEL_KEYS:
         _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
     kwargs = {k: raw[k] for k in MODEL_KEYS if k in raw}
@@ -295,7 +400,7 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
     from ddlscope.predict import ParallelSpec
     from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES
 
-    kwargs = {k: raw[k] for k in PARALLEL_KEYS if k in raw}
+    kwargs = {k: raw[k] for k in PARALLEL_KEYS if k in raw and k != "strategy"}
     for key in ("tp", "pp", "dp", "micro_batch", "interleave"):
         if key in kwargs:
             kwargs[key] = _int(kwargs[key], f"--{key.replace('_', '-')}", minimum=1)
@@ -405,8 +510,15 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
     console.print(f"[bold]{escape(str(p.cluster))}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
     head = Table(show_header=False, box=None, pad_edge=False)
     head.add_row("step time", f"{p.step_time_s:.4g} s")
-    head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU (with recomputation), "
-                 f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
+    if hasattr(p, "images_per_s_per_gpu"):  # a CNN
+        head.add_row("model", f"{p.model['name']} at {p.model['image_size']}x{p.model['image_size']}: "
+                     f"{p.parameters:,} parameters, {p.forward_gmacs_per_sample:.3g} GMACs forward per image, "
+                     f"{p.activation_mb_per_sample:.3g} MB activations per image")
+        head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {p.mfu:.1%}, "
+                     f"{p.images_per_s_per_gpu:,.0f} images/s per GPU")
+    else:
+        head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU (with recomputation), "
+                     f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
     head.add_row("memory", f"{p.memory_gb_per_gpu:.1f} GB on the fullest GPU of {p.memory_capacity_gb:.1f} GB "
                  f"({p.memory_capacity_gb * 1e9 / 2**30:.0f} GiB): "
                  + ("[green]fits[/green]" if p.fits else "[red]does not fit[/red]"))
@@ -424,6 +536,9 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
     for term, gb in p.memory_breakdown_gb.items():
         mt.add_row(term, f"{gb:.2f}")
     console.print(mt)
+    for note in p.notes:
+        if hasattr(p, "images_per_s_per_gpu"):
+            console.print(f"[yellow]note:[/yellow] {escape(note)}")
 
 
 def _print_plan(result: Any) -> None:
@@ -440,7 +555,8 @@ def _print_plan(result: Any) -> None:
                   "GB", "$/step")
     for r in result.rows:
         p, q = r.prediction, r.prediction.parallel
-        table.add_row(str(r.rank), ParallelSpec(**q).label(), str(q["tp"] * q["pp"] * q["dp"]),
+        label = f"{q['strategy']} DP{q['dp']} mb{q['micro_batch']}" if "strategy" in q else ParallelSpec(**q).label()
+        table.add_row(str(r.rank), label, str(q["tp"] * q["pp"] * q["dp"]),
                       f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)

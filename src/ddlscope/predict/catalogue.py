@@ -88,6 +88,10 @@ class NodeShape:
     intra: Link
     inter: Link
     nics: int
+    # the host CPU's memory bandwidth (one socket; 0: not in the catalogue) and the GPU-host link,
+    # for a parameter server on the node (catalogue.toml, clusters)
+    host_memory_bytes_per_s: float = 0.0
+    host_link: Link | None = None
 
     @property
     def inter_bytes_per_s_per_gpu(self) -> float:
@@ -161,6 +165,8 @@ def catalogue_from_dict(raw: dict[str, Any]) -> Catalogue:
             for side in ("intra", "inter"):
                 if shape.get(side) not in links:
                     raise CatalogueError(f"cluster {key}: unknown {side} link {shape.get(side)!r}")
+            if "host_link" in shape and shape["host_link"] not in links:
+                raise CatalogueError(f"cluster {key}: unknown host link {shape['host_link']!r}")
     return Catalogue(devices, links, clusters)
 
 
@@ -240,7 +246,9 @@ def make_cluster(name: str, nodes: int, gpus_per_node: int, catalogue: Catalogue
     # Using fewer GPUs than the node holds keeps their share of the NICs, not all of them.
     nics_in_use = max(1, round(shape["nics"] * gpus_per_node / shape["gpus"]))
     node = NodeShape(gpus=gpus_per_node, intra=catalogue.links[shape["intra"]],
-                     inter=catalogue.links[shape["inter"]], nics=nics_in_use)
+                     inter=catalogue.links[shape["inter"]], nics=nics_in_use,
+                     host_memory_bytes_per_s=float(shape.get("host_memory_gb_per_s", 0.0)) * GB,
+                     host_link=catalogue.links[shape["host_link"]] if "host_link" in shape else None)
     return Cluster(name=name, device=catalogue.devices[raw["device"]], nodes=nodes, gpus_per_node=gpus_per_node,
                    node=node)
 

@@ -108,12 +108,18 @@ def gemm_efficiency(m, n, k, device: Device):
     return e.gemm_kernel_fraction * e.sustained_fraction * dimension_saturation(m, d) * dimension_saturation(n, d)
 
 
-def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_element: float = 2.0):
+def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_element: float = 2.0,
+           operand_bytes=None):
     """Time of `batch` independent (m x k) @ (k x n) GEMMs: a roofline of tensor-core time and
-    the time to read both operands and write the result once."""
+    the time to read both operands and write the result once.
+
+    `operand_bytes`: what the kernel really moves where that is not the two operands and the
+    result (an implicit-GEMM convolution reads its input, not the k^2-times larger im2col matrix).
+    """
     m, n, k, batch = (np.asarray(x, dtype=float) for x in (m, n, k, batch))
     flops = 2.0 * batch * m * n * k
-    operand_bytes = bytes_per_element * batch * (m * k + k * n + m * n)
+    if operand_bytes is None:
+        operand_bytes = bytes_per_element * batch * (m * k + k * n + m * n)
     return np.maximum(flops / (peak_flops * gemm_efficiency(m, n, k, device)), memory_bound_s(operand_bytes, device))
 
 

@@ -45,6 +45,9 @@ class Workload:
     state_bytes_per_param: float = 16.0  # weights + gradients + Adam moments (fp32: 4 + 4 + 8; mixed: 2 + 2 + 12)
     achieved_fraction: float = 0.4
     layers: int = 50  # weight tensors (FSDP units; PowerSGD's matrices)
+    # share of compute_s that gradient communication can hide behind: the backward (2/3 of a step
+    # whose backward is twice its forward); with gradient accumulation only the last micro-batch's
+    backward_fraction: float = 2.0 / 3.0
 
     @property
     def weight_bytes_per_param(self) -> float:
@@ -140,7 +143,7 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0, algorithm
     """Bucketed all-reduce of the gradients, each bucket launched as backward fills it (PyTorch DDP)."""
     n, g = cluster.n_gpus, cluster.gpus_per_node
     c = compute_s(workload, cluster) * float(_slowdowns(n, slowdowns).max())
-    backward = 2.0 / 3.0 * c
+    backward = workload.backward_fraction * c
     grad_bytes = workload.params * (grad_bytes_per_param or workload.grad_bytes_per_param)
     total = float(coll.all_reduce_s(grad_bytes, n, min(n, g), cluster.node, algorithm))
     latency = float(coll.all_reduce_s(0.0, n, min(n, g), cluster.node, algorithm))
@@ -167,7 +170,8 @@ def fsdp(workload: Workload, cluster: Cluster, zero_stage: int = 3, jitter_cv: f
         raise ConfigError(f"zero_stage = {zero_stage}: allowed: 1, 2, 3")
     n, g = cluster.n_gpus, cluster.gpus_per_node
     c = compute_s(workload, cluster)
-    forward, backward = c / 3.0, 2.0 * c / 3.0
+    backward = workload.backward_fraction * c
+    forward = c - backward
     units = max(workload.layers, 1)
     weight_bytes = workload.weight_bytes_per_param * workload.params
     # one collective per unit (layer): each pays its own latency
@@ -208,6 +212,8 @@ class ServerSpec:
     link_gb_per_s: float = 12.5
     aggregate_gb_per_s: float = 5.0
     alpha_s: float = 50e-6
+    # the servers' optimizer step over the whole model (CPU memory-bound), once per update
+    update_s: float = 0.0
 
 
 def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync", "async", "ssp"] = "sync",
@@ -234,10 +240,14 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
     worker_bw = cluster.inter_bytes_per_s_per_gpu if cluster.nodes > 1 else cluster.intra_bytes_per_s
     server_bw, agg = server.link_gb_per_s * 1e9, server.aggregate_gb_per_s * 1e9
 
-    def exchange_s(concurrent: float, nbytes: float = grad_bytes, servers: int = server.servers) -> float:
+    def exchange_s(concurrent: float, nbytes: float = grad_bytes, servers: int = server.servers,
+                   updates: float = 1.0) -> float:
         push = coll.ps_push_s(nbytes, concurrent, servers, server_bw, agg, worker_bw, server.alpha_s)
         pull = coll.ps_pull_s(nbytes, concurrent, servers, server_bw, worker_bw, server.alpha_s)
-        return float(push + pull)
+        if not server.update_s:
+            return float(push + pull)
+        # each update steps the bytes it received; `servers` servers step their shares side by side
+        return float(push + pull + updates * server.update_s * nbytes / grad_bytes / servers)
 
     mem = (workload.params * (workload.state_bytes_per_param - 8.0)  # optimizer moments live on the servers
            + workload.activation_bytes_per_sample * workload.batch_per_worker)
@@ -250,11 +260,11 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
     if block_cyclic:
         block, per_server = grad_bytes / server.servers, max(w / server.servers, 1.0)
         alone = exchange_s(1, block, 1)
-        capacity = server.servers / (exchange_s(per_server, block, 1) / per_server)
+        capacity = server.servers / (exchange_s(per_server, block, 1, per_server) / per_server)
     else:
         alone = exchange_s(1)
-        # the servers move push + pull of every update and sum every push
-        capacity = 1.0 / (exchange_s(w) / w)
+        # the servers move push + pull of every update, sum every push and step every update
+        capacity = 1.0 / (exchange_s(w, updates=w) / w)
     jitter = _straggler_wait_s(float(c_each.mean()), w, jitter_cv, window_steps=staleness + 1) if mode == "ssp" else 0.0
     cycles = c_each + alone
     if mode == "ssp":  # nobody gets more than `staleness` steps ahead: the slowest sets the pace
