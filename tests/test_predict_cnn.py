@@ -163,3 +163,13 @@ def test_the_servers_optimizer_step_runs_at_the_hosts_memory_bandwidth():
     # Adam reads and writes two more fp32 state tensors per parameter: 4 more passes of 4 bytes
     extra_s = 4 * 4 * sgd.parameters / c.node.host_memory_bytes_per_s
     assert adam.breakdown_s["dp_grad_sync"] - sgd.breakdown_s["dp_grad_sync"] == pytest.approx(extra_s, rel=1e-6)
+
+
+def test_advise_takes_a_cnn_model_without_building_it():
+    result = CliRunner().invoke(cli.app, ["advise", "--json", "--cluster", "paper-slow:2x4", "--model", "vgg16",
+                                          "--batch-size", "256", "--db", "no-such-store.db"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["workload"]["params"] == PUBLISHED["vgg16"][2] and out["workload"]["batch_per_gpu"] == 32
+    steps = {s["strategy"]: s["step_s"] for s in out["strategies"]}
+    assert steps["ddp"] < steps["ps-sync"]  # 8 x 553 MB through one server's link on 40 Gb/s Ethernet

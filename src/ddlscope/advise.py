@@ -74,6 +74,7 @@ class WorkloadProfile:
     optimizer_bytes_per_param: float
     units: int  # FSDP wrap units (strategies.units: transformer blocks, else top-level children with weights)
     gemms: list[tuple[int, int, int]] = field(default_factory=list)  # (m, n, k) of each Linear forward
+    cnn: Any = None  # a predict.cnn.CNNSpec when the profile comes from its layer list (advise --model)
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -110,6 +111,29 @@ def profile_workload(exp: Experiment, workers: int) -> WorkloadProfile:
         units=max(step.units, 1), gemms=list(step.linear_gemms))
 
 
+def cnn_workload_profile(exp: Experiment, model: str, workers: int, image_size: int = 224,
+                         classes: int = 1000) -> WorkloadProfile:
+    """The per-GPU step of a CNN from its torch-free layer list (predict/cnn.py) instead of a built
+    model: `advise --model resnet50|vgg16|densenet121`, the experiment giving batch and optimizer."""
+    from ddlscope.predict import cnn
+
+    spec = exp.workload
+    batch = max(1, spec.batch_size // max(workers, 1))
+    states = 2 if spec.optimizer == "adamw" else (1 if spec.momentum > 0 else 0)
+    optimizer = {0: "sgd", 1: "sgd-momentum", 2: "adamw"}[states]
+    net = cnn.CNNSpec(model, global_batch=spec.batch_size, image_size=image_size, classes=classes,
+                      optimizer=optimizer)
+    counts = cnn.counts(net)
+    gemms = [(batch * m, n, k) for layer in cnn.layers_of(net) if layer.kind in ("conv", "linear")
+             for m, n, k, _ in [layer.gemm]]
+    return WorkloadProfile(
+        name=model, params=counts.params, batch_per_gpu=batch,
+        flops_per_step=float(batch * cnn.hardware_flops_per_sample(net)),
+        linear_flops_per_step=float(sum(6.0 * m * n * k for m, n, k in gemms)),
+        activation_bytes=float(batch * counts.activation_bytes_per_sample), dtype="fp32", weight_bytes_per_param=4.0,
+        optimizer=spec.optimizer, optimizer_bytes_per_param=4.0 * states, units=counts.units, gemms=gemms, cnn=net)
+
+
 def achieved_fraction(profile: WorkloadProfile, cluster: Cluster) -> float:
     """Fraction of the device's peak this model's step reaches, from the predict package's GEMM curve.
 
@@ -121,6 +145,11 @@ def achieved_fraction(profile: WorkloadProfile, cluster: Cluster) -> float:
 
     device = cluster.device
     peak = _peak(profile, cluster)
+    if profile.cnn is not None:  # the layer model's compute time (convolutions, norms, pools; predict/cnn.py)
+        from ddlscope.predict import cnn
+
+        forward, backward = cnn.layer_times_s(profile.cnn, profile.batch_per_gpu, device)
+        return max(min(profile.flops_per_step / (peak * float(forward + backward)), 1.0), 1e-6)
     if not profile.gemms or profile.linear_flops_per_step <= 0:
         return device.efficiency.gemm_kernel_fraction * device.efficiency.sustained_fraction * 0.5
     bpe = profile.weight_bytes_per_param
@@ -399,6 +428,8 @@ def _advice_row(spec: StrategySpec, case: ClusterCase, penalties: dict[str, Stal
 def _workload_dict(profile: WorkloadProfile) -> dict[str, Any]:
     d = asdict(profile)
     d.pop("gemms")
+    if d["cnn"] is None:
+        d.pop("cnn")
     d["state_bytes_per_param"] = profile.state_bytes_per_param
     return d
 

@@ -29,6 +29,11 @@ def advise_command(
         "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (see "
                                      "`ddlscope predict --measured-step-s`).")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="A CNN priced from its layer list instead of the workload: resnet50, vgg16, densenet121 "
+                        "(the experiment still gives batch size, optimizer and steps).")] = None,
+    image_size: Annotated[Optional[int], typer.Option("--image-size", help="With --model: 224 or 32.")] = None,
+    classes: Annotated[Optional[int], typer.Option("--classes", help="With --model: output classes.")] = None,
     steps: Annotated[Optional[int], typer.Option(help="Optimizer steps of the experiment.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Global batch size (split over the cluster's GPUs).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override any field: section.key=value (repeatable).")] = None,
@@ -56,8 +61,18 @@ def advise_command(
         overrides[key] = value
     # The local cluster section describes `ddlscope run`'s ranks, not the target cluster: keep it out of the way.
     overrides.setdefault("cluster.world_size", 1)
+    if model is None and (image_size is not None or classes is not None):
+        raise ConfigError("--image-size and --classes go with --model (resnet50, vgg16, densenet121)")
+    if model is not None:
+        overrides.setdefault("name", model)
     exp = load_experiment(config, overrides)
-    result = advise(exp, the_cluster, stragglers=stragglers, db=db)
+    profile = None
+    if model is not None:
+        from ddlscope.advise import cnn_workload_profile
+
+        profile = cnn_workload_profile(exp, model, the_cluster.n_gpus, image_size if image_size is not None else 224,
+                                       classes if classes is not None else 1000)
+    result = advise(exp, the_cluster, stragglers=stragglers, db=db, profile=profile)
     if as_json:
         print(json.dumps(result.to_dict(), default=str))
         return
