@@ -101,9 +101,33 @@ def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
     assert "-33%" in by_name["Async PS vs sync PS"]["measured"]
     assert by_name["Async PS vs sync PS"]["verdict"].startswith("agrees: async is faster and less accurate")
     assert by_name["Staleness-aware protocol"]["verdict"].startswith("agrees")
+    # The third column: the predictor on the paper's clusters and models, and the verdict names it.
+    assert all(h["predicted"] for h in findings.headlines)
+    assert "resnet50" in by_name["DDP speedup over one device"]["predicted"]
+    assert "predicted" in by_name["DDP speedup over one device"]["verdict"]
+    assert "predicted on the paper's clusters" not in findings.text and "predicted there:" in findings.text
     assert any("fast network: ddp" in d for d in findings.decisions)
     assert any("Memory-bound" in d and "0.25x" in d for d in findings.decisions)
     assert any("ssp reached it in 2.2 s" in d for d in findings.decisions)
+
+
+def test_paper_prediction_stays_within_what_its_setting_allows():
+    """Weak scaling on 4 GPUs: a speedup above 1 and at most 4; FSDP can save at most the 3/4 of the model
+    states it shards; one 2x straggler makes sync PS wait for it, so async must be faster but not by more
+    than half; VGG16, whose 15 M parameters of CIFAR shape outweigh its compute, gains least from DDP."""
+    from ddlscope.studies.paper_prediction import GPUS, PAPER_MODELS, paper_prediction
+
+    p = paper_prediction()
+    for network in ("fast", "slow"):
+        for model in PAPER_MODELS:
+            assert 1.0 < p.ddp_speedup[network][model] <= GPUS + 1e-9
+        assert p.ddp_speedup[network]["vgg16"] == min(p.ddp_speedup[network].values())
+        assert p.ddp_speedup["slow"]["vgg16"] < p.ddp_speedup["fast"]["vgg16"]  # the slow network costs it most
+    for model in PAPER_MODELS:
+        assert 1 / GPUS < p.fsdp_memory_ratio[model] < 1.0
+        assert -0.5 <= p.async_wall_change[model] < 0.0
+    # ResNet-50 is compute-bound: sync waits for the straggler's doubled compute, async does not.
+    assert p.async_wall_change["resnet50"] < -0.3
 
 
 def test_repeats_add_seeds_to_the_parameter_server_cells_only():

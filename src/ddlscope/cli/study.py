@@ -123,9 +123,11 @@ def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
     out.print(f"[bold]{kind} {escape(outcome.name)}[/bold]: {len(results)} cells ({reused} reused from the store)")
     out.print(cell_table(results, outcome.study.cell_columns))
     if outcome.study.has_headlines:
-        headlines = Table("headline", "main study reports", "ddlscope measured here", "verdict", title="headlines")
+        headlines = Table("headline", "main study reports", "ddlscope measured here", "predicted on the paper's clusters",
+                          "verdict", title="headlines")
         for h in findings.headlines:
-            headlines.add_row(*(escape(str(h[k])) for k in ("headline", "paper", "measured", "verdict")))
+            headlines.add_row(*(escape(str(h.get(k, ""))) for k in ("headline", "paper", "measured", "predicted",
+                                                                   "verdict")))
         out.print(headlines)
     for decision in findings.decisions:
         out.print(f"- {decision}", markup=False, highlight=False)

@@ -125,8 +125,8 @@ def server_spec(cluster: Cluster, params: float, optimizer: str) -> pst.ServerSp
 
 
 def predict_cnn(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluster, strategy: str | None = None,
-                spot: bool = False) -> CNNPrediction:
-    """Validate and score one CNN configuration."""
+                spot: bool = False, straggler: float = 1.0) -> CNNPrediction:
+    """Validate and score one CNN configuration; `straggler`: one worker that many times slower."""
     strategy = strategy_of(parallel, strategy)
     validate_cnn_parallel(spec, parallel, cluster, strategy)
     dev = cluster.device
@@ -155,7 +155,8 @@ def predict_cnn(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluster, strateg
     server = server_spec(cluster, params, spec.optimizer) if strategy.startswith("ps") else pst.ServerSpec()
 
     def case(w: pst.Workload) -> ClusterCase:
-        return ClusterCase(workload=w, cluster=cluster, stragglers=1.0, slowdowns=None, server=server,
+        slowdowns = [1.0] * (cluster.n_gpus - 1) + [straggler] if straggler > 1 else None
+        return ClusterCase(workload=w, cluster=cluster, stragglers=straggler, slowdowns=slowdowns, server=server,
                            activation_bytes=w.activation_bytes_per_sample * b,
                            weight_bytes_per_param=WEIGHT_BYTES_PER_PARAM, optimizer_bytes_per_param=opt_bytes)
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from ddlscope.specs import STRATEGY_SPECS, strategy_specs
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes
+from ddlscope.studies.paper_prediction import paper_prediction, predicted_agreement, predicted_column
 
 # Batch 256 gives each rank as much compute per byte of gradient as digits
 # allow; 100 steps (~18 epochs) of SGD reach 95% test accuracy when training
@@ -233,9 +234,11 @@ class _Analysis:
     def findings(self) -> Findings:
         headlines = [h for h in (self._ddp_speedup(), self._fsdp_memory(), self._fsdp_slowdown(),
                                  self._async_gain(), self._stale_aware()) if h]
+        _add_predictions(headlines)
         notes = self._notes()
         decisions = self._decisions()
-        text = "\n".join([f"- {h['headline']}: paper: {h['paper']} | measured: {h['measured']} | {h['verdict']}"
+        text = "\n".join([f"- {h['headline']}: paper: {h['paper']} | measured: {h['measured']} | predicted there: "
+                          f"{h['predicted']} | {h['verdict']}"
                           for h in headlines] + ["", "Decisions:"] + [f"- {d}" for d in decisions])
         return Findings(headlines, decisions, notes, text)
 
@@ -401,6 +404,18 @@ class _Analysis:
             f"{ACCURACY_WORKLOAD['batch_size']}. Times labelled 'effective' use thread CPU time for compute "
             "where ranks outnumber cores.",
         ]
+
+
+def _add_predictions(headlines: list[dict[str, str]]) -> None:
+    """The third column: what the predictor says the paper's own models do on its two clusters; the
+    verdict then compares all three (paper, measured here, predicted there)."""
+    prediction = paper_prediction()
+    column = predicted_column(prediction)
+    for h in headlines:
+        h["predicted"] = column.get(h["headline"], "n/a")
+        agreement = predicted_agreement(h["headline"], prediction)
+        if agreement:
+            h["verdict"] += f"; {agreement}"
 
 
 def _group(r: CellResult) -> str:
