@@ -64,7 +64,12 @@ def _result(key, labels, step_s, wall_s, accuracy, memory=None, staleness=None, 
         breakdown_mean_s={}, breakdown_fraction={}, comm={}, memory_bytes_by_rank=memory or {},
         final_eval={"metric_name": "accuracy", "metric": accuracy} if accuracy is not None else None,
         final_loss=None, train_wall_s=wall_s, oversubscribed=False, cpu_derived_step_s=step_s,
-        cpu_derived_wall_s=wall_s, staleness=staleness or {})
+        cpu_derived_wall_s=wall_s, staleness=staleness or {},
+        # two evaluations: at half the training time 90% of the final accuracy, then the final one
+        eval_curve=[{"step": 4, "wall_s": wall_s / 2, "samples_seen": 5, "metric_name": "accuracy",
+                     "metric": 0.9 * accuracy}, {"step": 9, "wall_s": wall_s, "samples_seen": 10,
+                                                 "metric_name": "accuracy", "metric": accuracy}]
+        if accuracy is not None else [])
     cell = SimpleNamespace(key=key, labels=labels)
     run = SimpleNamespace(config={"workload": {"momentum": 0.4}, "strategy": {"name": strategy}})
     return CellResult(cell, run, summary, reused=False)
@@ -99,6 +104,9 @@ def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
     assert "0.25x" in by_name["FSDP peak memory per device"]["measured"]
     assert "2.50x DDP's step time on the slow" in by_name["FSDP step time vs DDP"]["measured"]
     assert "-33%" in by_name["Async PS vs sync PS"]["measured"]
+    # equal samples: the final accuracies; equal wall time (2.0 s, when async ended): sync's 1.5 s evaluation
+    assert "accuracy at equal samples 90.0% vs 96.0%" in by_name["Async PS vs sync PS"]["measured"]
+    assert "at equal wall time (2.0 s) 90.0% vs 86.4%" in by_name["Async PS vs sync PS"]["measured"]
     assert by_name["Async PS vs sync PS"]["verdict"].startswith("agrees: async is faster and less accurate")
     assert by_name["Staleness-aware protocol"]["verdict"].startswith("agrees")
     # The third column: the predictor on the paper's clusters and models, and the verdict names it.
@@ -109,6 +117,18 @@ def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
     assert any("fast network: ddp" in d for d in findings.decisions)
     assert any("Memory-bound" in d and "0.25x" in d for d in findings.decisions)
     assert any("ssp reached it in 2.2 s" in d for d in findings.decisions)
+
+
+def test_time_to_target_is_the_first_evaluation_at_the_target_on_the_effective_clock():
+    from ddlscope.studies.base import cell_rows
+
+    labels = {"part": "accuracy", "strategy": "ddp", "network": "fast", "workers": "homogeneous", "world_size": 2}
+    reached = _result("a", {**labels, "target_metric": 0.95}, 0.01, 4.0, 0.96)  # 86.4% at 2 s, 96% at 4 s
+    missed = _result("b", {**labels, "target_metric": 0.97}, 0.01, 4.0, 0.96)
+    assert [r.time_to_target_s for r in cell_rows([reached, missed])] == [4.0, None]
+    assert reached.summary.time_to_metric_s(0.80) == 2.0
+    reached.summary.oversubscribed, reached.summary.cpu_derived_wall_s = True, 2.0  # effective clock: half
+    assert reached.summary.time_to_metric_s(0.80) == 1.0 and reached.summary.metric_at_s(1.5) == 0.9 * 0.96
 
 
 def test_paper_prediction_stays_within_what_its_setting_allows():
@@ -163,7 +183,7 @@ def test_paper_analysis_reads_the_median_of_a_cells_seeds():
                for d in findings.decisions)
     # medians: async 2.0 s and 60%, sync 3.0 s and 96%; not seed 0's 10%
     assert "-33% (2.0 s vs 3.0 s)" in measured
-    assert "accuracy 60.0% (median of 3 seeds, 10.0%-90.0%, 1 at chance level)" in measured
+    assert "accuracy at equal samples 60.0% (median of 3 seeds, 10.0%-90.0%, 1 at chance level)" in measured
     assert "96.0% (median of 3 seeds, 95.0%-97.0%)" in measured
     assert any("3 seeds" in n for n in findings.notes)
 

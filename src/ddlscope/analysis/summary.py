@@ -58,6 +58,8 @@ class Summary:
     hfu: float | None = None  # achieved hardware FLOP/s / peak, mean over ranks
     mfu_by_rank: dict[int, float] = field(default_factory=dict)
     flops_basis: str | None = None
+    # Rank 0's evaluations in step order: step, wall_s (training time so far), samples_seen, metric_name, metric.
+    eval_curve: list[dict[str, Any]] = field(default_factory=list)
     final_params_sha256: str | None = None  # hash of the final full parameters (runtime/checkpoint.params_sha256)
     restarts: int = 0  # times the worker group was restarted (elastic) or the run resumed
 
@@ -74,6 +76,24 @@ class Summary:
     def effective_step_s(self) -> float | None:
         """The step time comparisons should use: CPU-derived when ranks share cores."""
         return self.cpu_derived_step_s if self.oversubscribed else self.mean_step_s
+
+    def time_to_metric_s(self, target: float, lower_is_better: bool = False) -> float | None:
+        """Training time until the first evaluation at (or past) `target`; on the effective clock when
+        ranks share cores (wall times scaled by effective / wall training time). None if never reached."""
+        scale = (self.effective_wall_s / self.train_wall_s
+                 if self.oversubscribed and self.effective_wall_s and self.train_wall_s else 1.0)
+        for point in self.eval_curve:
+            metric = point["metric"]
+            if metric is not None and (metric <= target if lower_is_better else metric >= target):
+                return point["wall_s"] * scale
+        return None
+
+    def metric_at_s(self, seconds: float) -> float | None:
+        """The metric of the last evaluation within `seconds` of training (effective clock); None before the first."""
+        scale = (self.effective_wall_s / self.train_wall_s
+                 if self.oversubscribed and self.effective_wall_s and self.train_wall_s else 1.0)
+        reached = [p["metric"] for p in self.eval_curve if p["wall_s"] * scale <= seconds + 1e-9]
+        return reached[-1] if reached else None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -121,6 +141,8 @@ def summarize(store: Store, run: Run) -> Summary:
 
     evals = store.evals(run.id)
     final_eval = dict(evals[-1]) if evals else None
+    curve = [{k: e[k] for k in ("step", "wall_s", "samples_seen", "metric_name", "metric")} for e in evals
+             if e["rank"] == min(r["rank"] for r in evals)]
     if final_eval:
         final_eval.pop("run_id", None)
     # A diverged step stores its NaN loss as NULL: the mean is over the finite ones (None when there are none).
@@ -144,7 +166,7 @@ def summarize(store: Store, run: Run) -> Summary:
         oversubscribed=oversubscribed, cpu_derived_step_s=cpu_step,
         cpu_derived_wall_s=max(per_rank_total.values(), default=None),
         staleness=_staleness(store, run), server_busy_fraction=_server_busy_fraction(store, run),
-        straggler_steps=_straggler_steps(by_step), notes=_notes(run),
+        straggler_steps=_straggler_steps(by_step), notes=_notes(run), eval_curve=curve,
     )
     _add_utilization(summary, store, run)
     _add_recovery(summary, store, run)

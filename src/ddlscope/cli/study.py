@@ -146,6 +146,8 @@ def cell_table(results: list[CellResult], titles: tuple[str, ...]) -> Table:
         "samples/s": [_num(r.throughput, 1, "{:.0f}") for r in rows],
         "speedup": [_num(r.speedup, 1, "{:.2f}x") for r in rows],
         "accuracy": [_num(r.accuracy, 1, "{:.3f}") for r in rows],
+        # a cell that never reached its target shows "-", as one without a target
+        "to target s": [_num(r.time_to_target_s, 1, "{:.1f}") for r in rows],
         "wall s": [_num(r.wall_s, 1, "{:.1f}") for r in rows],
         "staleness": [_num(r.staleness, 1, "{:.2f}") for r in rows],
     }

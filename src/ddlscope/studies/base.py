@@ -47,7 +47,7 @@ class Study(ABC):
     # summary leave the headline table out instead of showing an empty one.
     has_headlines: ClassVar[bool] = True
     # The cell table's figures (cli/study.py), in order; a column no cell has a value for is left out.
-    cell_columns: ClassVar[tuple[str, ...]] = ("step ms", "speedup", "accuracy", "wall s", "staleness")
+    cell_columns: ClassVar[tuple[str, ...]] = ("step ms", "speedup", "accuracy", "to target s", "wall s", "staleness")
 
     @abstractmethod
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
@@ -123,6 +123,7 @@ class CellRow:
     accuracy: float | None
     wall_s: float | None
     staleness: float | None  # parameter servers: mean versions behind
+    time_to_target_s: float | None = None  # training time to the cell's target accuracy (effective clock)
 
 
 def cell_rows(results: list[CellResult]) -> list[CellRow]:
@@ -135,8 +136,10 @@ def cell_rows(results: list[CellResult]) -> list[CellRow]:
         mine, theirs = effective_throughput(s), effective_throughput(base.summary) if base else None
         speedup = mine / theirs if mine and theirs and r.cell.labels.get("part", "accuracy") == "accuracy" else None
         accuracy = s.final_eval["metric"] if s.final_eval and s.final_eval["metric_name"] == "accuracy" else None
+        target = r.cell.labels.get("target_metric")
+        to_target = s.time_to_metric_s(float(target)) if target is not None and accuracy is not None else None
         rows.append(CellRow(r.cell.key, s.effective_step_s, mine, speedup, accuracy, s.effective_wall_s,
-                            s.staleness["mean"] if s.staleness else None))
+                            s.staleness["mean"] if s.staleness else None, to_target))
     return rows
 
 

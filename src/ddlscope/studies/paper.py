@@ -303,9 +303,13 @@ class _Analysis:
         acc_sync, acc_async = self.accuracy(sync), self.accuracy(asyn)
         loss_pts = (acc_sync - acc_async) * 100
         measured = (f"with a 2x straggler ({self.ps_network} network, {self.world} workers): wall time {-gain:+.0%} "
-                    f"({self.wall(asyn):.1f} s vs {self.wall(sync):.1f} s), accuracy {acc_async:.1%}"
+                    f"({self.wall(asyn):.1f} s vs {self.wall(sync):.1f} s), accuracy at equal samples {acc_async:.1%}"
                     f"{_parenthesised(self.accuracy_spread(asyn))} vs {acc_sync:.1%}"
                     f"{_parenthesised(self.accuracy_spread(sync))} ({loss_pts:+.1f} points lost)")
+        equal_s = min(self.wall(asyn) or 0.0, self.wall(sync) or 0.0)
+        at_async, at_sync = (self._median(r, lambda m: m.summary.metric_at_s(equal_s)) for r in (asyn, sync))
+        if equal_s and at_async is not None and at_sync is not None:
+            measured += f", at equal wall time ({equal_s:.1f} s) {at_async:.1%} vs {at_sync:.1%}"
         compensated = self.get(f"ps-async+{MOMENTUM_COMPENSATED}", self.ps_network, "straggler")
         if compensated is not None:
             measured += (f"; with momentum lowered to {compensated.run.config['workload']['momentum']} for "
