@@ -6,13 +6,17 @@
                   by width / 64), five 2x2 max-pools (32 -> 1) -> linear
 
 The data is synthetic (no download at run time; no installed package ships
-CIFAR): `synthetic_cifar` draws, from the seed, a few textured templates per
-class and composes each image from two templates of its class placed at a
-random position, scale and rotation, with a random colour gain, on a smooth
-random background, with one class-independent clutter template and pixel
-noise. Templates are zero-mean in every channel, so the class-mean images are
-all about the same flat grey: a linear model on raw pixels has almost nothing
-to use, while a CNN learns the templates' local structure wherever they sit.
+CIFAR): `synthetic_cifar` draws, from the seed, three grating templates per
+class (each class its own orientation, 5 of them, and spatial frequency, 2 of
+them; each template in a random colour) and composes each image from three
+templates of its class at a random position, scale (1-1.6x) and small
+rotation, with a random per-channel gain, on a smooth random background with a
+random colour cast, plus one class-independent clutter template (random
+blocks) and pixel noise; images are stored as uint8 like CIFAR. Templates are
+zero-mean in every channel, so every class's mean image is the same flat
+grey: a linear model on raw pixels has almost nothing to use (logistic
+regression: about 0.27 test accuracy), while a CNN learns oriented filters
+that fire wherever the gratings sit (0.94 after 150 steps; tests/test_vision_workloads.py).
 
 Normalisation is GroupNorm, not BatchNorm: no running-statistics buffers, so
 nothing is per-rank state. DDP on a split global batch then computes exactly
