@@ -97,6 +97,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "study-repeats-zero": (["study", "paper", "--quick", "--repeats", "0"], "--repeats"),
     "study-repeats-too-many": (["study", "paper", "--quick", "--repeats", "11"], "--repeats"),
     "study-db-missing-folder": (["study", "paper", "--db", "missing/x.db"], "missing"),
+    "study-unknown-workload": (["study", "paper", "--workload", "mlp-digits"], "--workload"),
     "sweep-binary": (["sweep", "garbage.toml"], "not valid TOML"),
     "sweep-missing": (["sweep", "nope.toml"], "nope.toml"),
     "sweep-no-name": (["sweep", "ok.toml"], "name"),

@@ -33,6 +33,24 @@ def test_one_linear_layer_by_hand():
     assert all(p.grad is None for p in layer.parameters())  # counted on copies
 
 
+def test_convolutions_are_counted_as_their_implicit_gemms():
+    """Conv2d(4, 6, 3, stride 2, padding 1) on 2 x 4 x 8 x 8 (out 2 x 6 x 4 x 4): forward (N Ho Wo = 32) x
+    (C_in kh kw = 36) @ (36 x 6); the backward's input and weight gradients, the same multiply-adds each
+    (written in the forward's orientation). A first layer (input without grad) has no input-gradient
+    GEMM. Their FLOPs equal torch's FLOP counter's; a grouped conv divides k and n by the groups and
+    multiplies the batch (torch's counter counts grouped backward differently, so only by hand)."""
+    net = nn.Sequential(nn.Conv2d(4, 6, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1))
+    step = profile_step(net, _sum_loss, torch.randn(2, 4, 8, 8), torch.zeros(2), count_ops=True)
+    assert step.ops is not None
+    shapes = sorted((mm.batch, mm.m, mm.k, mm.n) for mm in step.ops.matmuls)
+    assert shapes == sorted([(1, 32, 36, 6)] * 2 + [(1, 32, 54, 6)] * 3)
+    assert sum(mm.flops for mm in step.ops.matmuls) == step.flops
+    grouped = nn.Sequential(nn.Conv2d(4, 6, 1), nn.Conv2d(6, 6, 3, padding=1, groups=3))
+    step = profile_step(grouped, _sum_loss, torch.randn(2, 4, 8, 8), torch.zeros(2), count_ops=True)
+    assert step.ops is not None
+    assert sorted((mm.batch, mm.m, mm.k, mm.n) for mm in step.ops.matmuls)[-3:] == [(3, 128, 18, 2)] * 3
+
+
 def test_units_follow_the_fsdp_rule():
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     step = profile_step(mlp, _sum_loss, torch.randn(3, 4), torch.zeros(3))

@@ -257,3 +257,22 @@ def test_cli_report_writes_page_and_bad_ref_is_one_line(store, tmp_path):
                           env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"error: no run 'nope' in {store.path}"]
+
+
+def test_study_scaling_series_starts_at_the_one_process_cell_and_uses_effective_steps():
+    from types import SimpleNamespace
+
+    from ddlscope.report.html import _study_scaling_series
+
+    def cell(strategy, world, effective_step_s, wall_efficiency=0.1):
+        run = SimpleNamespace(world_size=world, strategy=strategy,
+                              config={"workload": {"name": "resnet-cifar", "batch_size": 64}})
+        summary = SimpleNamespace(effective_step_s=effective_step_s, scaling_efficiency=wall_efficiency)
+        labels = {"strategy": strategy, "network": "fast" if world > 1 else "none", "workers": "homogeneous",
+                  "world_size": world, "part": "accuracy"}
+        return {"labels": labels}, SimpleNamespace(run=run, summary=summary)
+
+    pairs = [cell("single", 1, 0.080), cell("ddp", 2, 0.050), cell("ddp", 4, 0.025)]
+    series = _study_scaling_series([c for c, _ in pairs], [d for _, d in pairs])
+    # 0.080 / 0.050 / 2 and 0.080 / 0.025 / 4, not the wall-clock 0.1
+    assert series == {"ddp · fast · homogeneous": {1: 1.0, 2: pytest.approx(0.8), 4: pytest.approx(0.8)}}

@@ -47,6 +47,40 @@ def test_paper_cells_are_valid_experiments():
     assert len(samples) == 1  # the same samples in every accuracy cell
     straggler = next(c for c in quick if c.key == "ps-async/fast/straggler/w2")
     assert straggler.experiment.cluster.slowdown == [1.0, 2.0]
+    # DDP's scaling: one process, 2 and 4 workers, on both networks; the paper's regime by default
+    assert {"ddp/fast/homogeneous/w4", "ddp/slow/homogeneous/w4"} <= keys
+    assert {c.experiment.workload.name for c in quick if c.labels["part"] == "accuracy"} == {"resnet-cifar"}
+    digits = STUDIES.get("paper")("cnn-digits").cells(quick=True)
+    assert {c.experiment.workload.name for c in digits if c.labels["part"] == "accuracy"} == {"cnn-digits"}
+    with pytest.raises(ValueError, match="choices are resnet-cifar, cnn-digits"):
+        STUDIES.get("paper")("mlp-digits")
+
+
+def _ddp_scaling(fast_w4_step_s: float, comm_share: float = 0.0):
+    def ddp(network, world, step_s):
+        labels = {"part": "accuracy", "strategy": "ddp", "network": network, "workers": "homogeneous",
+                  "world_size": world, "workload": "resnet-cifar"}
+        r = _result(f"ddp/{network}/homogeneous/w{world}", labels, step_s, step_s * 100, 0.9)
+        r.summary.breakdown_fraction = {"comm_wait_s": comm_share}
+        return r
+
+    single = _result("single/w1", {"part": "accuracy", "strategy": "single", "network": "none",
+                                   "workers": "homogeneous", "world_size": 1}, 0.010, 1.0, 0.9)
+    results = [single, ddp("fast", 2, 0.006), ddp("fast", 4, fast_w4_step_s), ddp("slow", 2, 0.012),
+               ddp("slow", 4, 0.011)]
+    findings = STUDIES.get("paper")().analyse(results, quick=True)
+    return {h["headline"]: h for h in findings.headlines}["DDP speedup over one device"]
+
+
+def test_ddp_headline_reads_every_worker_count_and_judges_the_largest():
+    scaling = _ddp_scaling(0.004)
+    assert "on the fast network 1.67x at 2 workers, 2.50x at 4 workers" in scaling["measured"]
+    assert "0.83x at 2, 0.91x at 4" in scaling["measured"]
+    assert "2.5x at 4 workers is within the paper's 2-3x" in scaling["verdict"]
+    assert "below the paper's 2-3x" in _ddp_scaling(0.0059)["verdict"]  # 1.69x: still agrees on the order
+    flat = _ddp_scaling(0.0080, comm_share=0.4)  # 1.25x at 4 workers
+    assert flat["verdict"].startswith("partly") and "compute per byte of gradient" in flat["verdict"]
+    assert "gradient exchange took 40% of a step at 4 workers" in flat["verdict"]
 
 
 def test_compensated_momentum():
@@ -77,7 +111,8 @@ def _result(key, labels, step_s, wall_s, accuracy, memory=None, staleness=None, 
 
 def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
     def acc(strategy, network, workers, step_s, wall_s, accuracy):
-        labels = {"part": "accuracy", "strategy": strategy, "network": network, "workers": workers, "world_size": 2}
+        labels = {"part": "accuracy", "strategy": strategy, "network": network, "workers": workers, "world_size": 2,
+                  "workload": "cnn-digits"}  # its 95% target
         return _result(f"{strategy}/{network}/{workers}/w2", labels, step_s, wall_s, accuracy)
 
     def mem(strategy, states):
@@ -160,6 +195,9 @@ def test_repeats_add_seeds_to_the_parameter_server_cells_only():
     seeds = {c.key: c.experiment.seed for c in extra}
     assert seeds["ps-async/fast/straggler/w2/seed2"] == 2
     compensated = next(c for c in extra if c.key == "ps-async+mc/fast/straggler/w2/seed1")
+    assert compensated.experiment.workload.momentum == compensated_momentum(0.9, 2) == 0.4  # resnet-cifar's 0.9
+    digits = STUDIES.get("paper")("cnn-digits").cells(quick=True, repeats=3)
+    compensated = next(c for c in digits if c.key == "ps-async+mc/fast/straggler/w2/seed1")
     assert compensated.experiment.workload.momentum == compensated_momentum(0.8, 2) == 0.3
     assert all(c.labels["group"] == c.key.rsplit("/seed", 1)[0] for c in extra)
 

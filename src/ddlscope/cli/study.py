@@ -26,10 +26,12 @@ if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load
 
 def study(
     name: Annotated[str, typer.Argument(help="Study name (see `ddlscope studies`); `paper` is the main study.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 4 minutes here).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 5 minutes here).")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
     repeats: Annotated[int, typer.Option("--repeats", help="Seeds per cell whose outcome varies from run to run "
                                          "(the parameter servers'); headlines read their medians.")] = 3,
+    workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="The workload its accuracy cells train "
+                                                    "(paper: resnet-cifar, the default, or cnn-digits).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
     db: DbOption = DEFAULT_DB,
 ) -> None:
@@ -38,9 +40,11 @@ def study(
     from ddlscope.studies.base import MAX_REPEATS
 
     try:
-        study_obj = STUDIES.get(name)()
+        study_obj = STUDIES.get(name)(workload)
     except KeyError as exc:
         raise UserError(str(exc)) from None
+    except ValueError as exc:
+        raise UserError(f"study {name}: {exc}") from None
     check_db_folder(db)
     if not 1 <= repeats <= MAX_REPEATS:
         raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_REPEATS}")

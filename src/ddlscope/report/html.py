@@ -434,13 +434,7 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
     accuracy = [(c, d) for c, d in zip(cells, data) if c.get("labels", {}).get("part", "accuracy") == "accuracy"]
     memory = [d for c, d in zip(cells, data) if c.get("labels", {}).get("part") == "memory"]
 
-    series: dict[str, dict[int, float]] = {}
-    for c, d in sorted(zip(cells, data), key=lambda cd: cd[0].get("labels", {}).get("part") != "accuracy"):
-        lab = c.get("labels", {})
-        if d.summary.scaling_efficiency is not None:
-            name = " · ".join(str(lab[k]) for k in ("strategy", "network", "workers") if lab.get(k) is not None)
-            series.setdefault(name or d.run.strategy, {}).setdefault(
-                int(lab.get("world_size", d.run.world_size)), d.summary.scaling_efficiency)
+    series = _study_scaling_series(cells, data)
 
     groups: dict[tuple[str, str], list[tuple[dict, RunData]]] = {}
     for c, d in accuracy:
@@ -491,6 +485,35 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
         "fig_breakdown": _fig_breakdown(data),
     }
     return _env().get_template("study.html").render(**context)
+
+
+def _study_scaling_series(cells: list[dict], data: list[RunData]) -> dict[str, dict[int, float]]:
+    """Scaling efficiency per strategy · network · workers, by world size, on the effective clock.
+
+    Where the study has a one-process cell of the same workload (and global batch), a cell's efficiency
+    is that cell's effective step over its own, over its world size, and the one-process cell is each
+    series' first point (1.0 by definition); the summary's wall-clock figure would charge the sharing of
+    cores to the strategy once ranks outnumber them. Otherwise the summary's figure is used.
+    """
+    def workload_of(d: RunData) -> tuple[Any, Any]:
+        workload = d.run.config.get("workload", {})
+        return workload.get("name"), workload.get("batch_size")
+
+    ones = {workload_of(d): d for d in data if d.run.world_size == 1 and d.summary.effective_step_s}
+    series: dict[str, dict[int, float]] = {}
+    for c, d in sorted(zip(cells, data), key=lambda cd: cd[0].get("labels", {}).get("part") != "accuracy"):
+        lab = c.get("labels", {})
+        world = int(lab.get("world_size", d.run.world_size))
+        if world == 1:
+            continue
+        name = " · ".join(str(lab[k]) for k in ("strategy", "network", "workers") if lab.get(k) is not None)
+        one = ones.get(workload_of(d))
+        if one is not None and d.summary.effective_step_s:
+            points = series.setdefault(name or d.run.strategy, {1: 1.0})
+            points.setdefault(world, one.summary.effective_step_s / d.summary.effective_step_s / world)
+        elif d.summary.scaling_efficiency is not None:
+            series.setdefault(name or d.run.strategy, {}).setdefault(world, d.summary.scaling_efficiency)
+    return series
 
 
 def _distinct_line_names(members: list[tuple[dict, RunData]], names: list[str]) -> list[str]:

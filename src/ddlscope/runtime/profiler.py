@@ -30,6 +30,7 @@ Two passes, because they need different tensors:
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from ddlscope.strategies.units import wrap_units
 from ddlscope.workloads.base import Dataset, LossFn, Task
 
 MATMUL_OPS = ("mm", "addmm", "bmm")
+CONV_OPS = ("convolution", "convolution_backward")
 
 
 @dataclass(frozen=True)
@@ -227,10 +229,34 @@ class _OpCounter(TorchDispatchMode):
             a, b = mats[-2], mats[-1]  # addmm's first argument is the bias
             self.matmuls.append(Matmul(batch=a.shape[0] if a.dim() == 3 else 1, m=a.shape[-2], k=a.shape[-1],
                                        n=b.shape[-1]))
+        elif name in CONV_OPS:
+            self.matmuls.extend(_conv_as_gemms(name, args, out))
         else:  # memory-bound: bytes read and written
             outs = out if isinstance(out, (tuple, list)) else [out]
             self.other_bytes += sum(t.nbytes for t in (*args, *outs) if isinstance(t, Tensor))
         return out
+
+
+def _conv_as_gemms(name: str, args: tuple[Any, ...], out: Any) -> list[Matmul]:
+    """A convolution's kernels as the GEMMs they compute (im2col, the implicit-GEMM view).
+
+    The forward is, per group, (N Ho Wo) x (C_in/g kh kw) @ (.. , C_out/g); the backward computes
+    the input's gradient and the weight's, each a GEMM of the same multiply-adds, for the
+    gradients `output_mask` asks for (none for the input of the first layer). Priced like any
+    matmul of that size, which is how CPU (oneDNN) and GPU (cuDNN) libraries run them.
+    """
+    if name == "convolution":
+        x, weight, groups, wanted = args[0], args[1], int(args[8]), (True,)
+        y = out
+    else:  # convolution_backward(grad_output, input, weight, ..., groups, output_mask)
+        y, x, weight, groups = args[0], args[1], args[2], int(args[9])
+        wanted = tuple(bool(m) for m in args[10][:2])
+    if x.dim() < 3:
+        return []
+    rows = y.shape[0] * math.prod(y.shape[2:])  # N x output positions
+    reduction = math.prod(weight.shape[1:])  # C_in / g x kernel positions
+    channels = weight.shape[0] // groups  # C_out / g
+    return [Matmul(batch=groups, m=rows, k=reduction, n=channels) for w in wanted if w]
 
 
 # --------------------------------------------------------------------------- helpers

@@ -48,6 +48,15 @@ class Study(ABC):
     has_headlines: ClassVar[bool] = True
     # The cell table's figures (cli/study.py), in order; a column no cell has a value for is left out.
     cell_columns: ClassVar[tuple[str, ...]] = ("step ms", "speedup", "accuracy", "to target s", "wall s", "staleness")
+    # The workloads its accuracy cells can train (`study NAME --workload W`), the default first; empty:
+    # the study has one fixed set of workloads.
+    workload_choices: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, workload: str | None = None):
+        if workload is not None and workload not in self.workload_choices:
+            allowed = ", ".join(self.workload_choices) if self.workload_choices else "none (its workloads are fixed)"
+            raise ValueError(f"--workload {workload}: this study's choices are {allowed}")
+        self.workload = workload or (self.workload_choices[0] if self.workload_choices else None)
 
     @abstractmethod
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
