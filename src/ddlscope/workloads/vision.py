@@ -138,6 +138,56 @@ class VGG(nn.Module):
         return self.head(x.flatten(1))  # 1x1 after five pools
 
 
+# --- convnext-cifar -----------------------------------------------------------
+
+
+class ConvNeXtBlock(nn.Module):
+    """x -> depthwise 7x7 -> norm -> 1x1 (4x channels) -> GELU -> 1x1 (back) -> x layer-scaled, + x
+    (Liu et al. 2022). The norm is GroupNorm with one group: LayerNorm over (C, H, W), the
+    channels-first stand-in CIFAR ConvNeXts use; the 1x1 convs are ConvNeXt's pointwise linears.
+    Layer scale starts at 1, not the paper's 1e-6: with 1e-6 every block starts as the identity and
+    150 steps on the synthetic set reached 0.22 accuracy (width 16), against 0.54 from 1."""
+
+    def __init__(self, channels: int, layer_scale: float = 1.0):
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 7, padding=3, groups=channels)
+        self.norm = nn.GroupNorm(1, channels)
+        self.expand = nn.Conv2d(channels, 4 * channels, 1)
+        self.reduce = nn.Conv2d(4 * channels, channels, 1)
+        self.gamma = nn.Parameter(torch.full((channels, 1, 1), layer_scale))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.gamma * self.reduce(F.gelu(self.expand(self.norm(self.depthwise(x)))))
+
+
+class ConvNeXt(nn.Module):
+    """CIFAR ConvNeXt: a 2x2 stride-2 patchify stem (32 -> 16), four stages of `depth` blocks at
+    width w, 2w, 4w, 8w, each later stage entered by norm + 2x2 stride-2 conv (16 -> 8 -> 4 -> 2),
+    global average pool, norm, linear. Downsampling layers join the block after them as one unit."""
+
+    def __init__(self, width: int, depth: int, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(CHANNELS, width, 2, stride=2), nn.GroupNorm(1, width))
+        units: list[nn.Module] = []
+        c_in = width
+        for stage in range(4):
+            c_out = width * 2**stage
+            for i in range(depth):
+                down: list[nn.Module] = ([nn.GroupNorm(1, c_in), nn.Conv2d(c_in, c_out, 2, stride=2)]
+                                         if stage > 0 and i == 0 else [])
+                units.append(nn.Sequential(*down, ConvNeXtBlock(c_out)))
+                c_in = c_out
+        self.blocks = nn.ModuleList(units)
+        self.head_norm = nn.LayerNorm(c_in)
+        self.head = nn.Linear(c_in, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.head_norm(x.mean(dim=(2, 3))))
+
+
 # --- data: a synthetic CIFAR-like set -----------------------------------------
 
 TEMPLATES_PER_CLASS = 3
@@ -294,8 +344,15 @@ class VggCifarSpec(VisionSpec):
     width: int = Field(32, ge=1, le=512, description="channels of the first conv (VGG has 64; the rest scale with it)")
 
 
+class ConvnextCifarSpec(VisionSpec):
+    name: str = "convnext-cifar"
+    width: int = Field(24, ge=1, le=512, description="channels of the first stage (then 2x, 4x, 8x); ConvNeXt-T has 96")
+    depth: int = Field(1, ge=1, le=16, description="ConvNeXt blocks per stage (ConvNeXt-T: 3, 3, 9, 3)")
+
+
 remember_spec_class(ResnetCifarSpec)
 remember_spec_class(VggCifarSpec)
+remember_spec_class(ConvnextCifarSpec)
 
 DATA_NOTE = "synthetic CIFAR-like 32x32x3 gratings, 10 classes"
 
@@ -322,3 +379,15 @@ class VggCifar(Workload):
         spec = cls.checked(spec)
         torch.manual_seed(seed)
         return _task(VGG(spec.depth, spec.width), spec, seed)
+
+
+@WORKLOADS.register("convnext-cifar")
+class ConvnextCifar(Workload):
+    spec_class: ClassVar[type[WorkloadSpec]] = ConvnextCifarSpec
+    description: ClassVar[str] = f"CIFAR ConvNeXt (depthwise 7x7, inverted bottleneck, GELU) on {DATA_NOTE}, accuracy"
+
+    @classmethod
+    def build(cls, spec: WorkloadSpec, seed: int) -> Task:
+        spec = cls.checked(spec)
+        torch.manual_seed(seed)
+        return _task(ConvNeXt(spec.width, spec.depth), spec, seed)
