@@ -2,12 +2,16 @@ import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+# Generated data sets (the vision workloads') are cached in one folder for the whole session, not in
+# the user's ~/.cache; ranks and CLI processes inherit it.
+os.environ.setdefault("DDLSCOPE_CACHE_DIR", tempfile.mkdtemp(prefix="ddlscope-test-cache-"))
 
 
 @dataclass

@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from ddlscope.runtime.profiler import profile_step, profile_task
 from ddlscope.workloads import WORKLOADS, Task
 from ddlscope.workloads.base import cross_entropy
-from ddlscope.workloads.vision import ResnetCifarSpec, VggCifarSpec, synthetic_cifar
+from ddlscope.workloads.vision import ResnetCifarSpec, VggCifarSpec, _generate_synthetic_cifar, synthetic_cifar
 
 SMALL = {"samples": 4000, "test_samples": 1000}
 
@@ -37,6 +37,26 @@ def test_data_is_a_function_of_the_seed() -> None:
     assert torch.equal(synthetic_cifar(3, 300, 50)[2], a[2])
 
 
+def test_generated_data_is_cached_on_disk_and_regenerated_when_the_cache_is_bad(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("DDLSCOPE_CACHE_DIR", str(tmp_path))
+    synthetic_cifar.cache_clear()
+    first = synthetic_cifar(5, 120, 30)
+    files = list(tmp_path.glob("synthetic-cifar-*-5-120-30.pt"))
+    assert len(files) == 1 and not list(tmp_path.glob(".*"))  # no temporary file left behind
+    synthetic_cifar.cache_clear()
+    loaded = synthetic_cifar(5, 120, 30)  # from the file
+    assert all(torch.equal(a, b) for a, b in zip(first, loaded))
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated: generated again, and rewritten
+    synthetic_cifar.cache_clear()
+    again = synthetic_cifar(5, 120, 30)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and files[0].stat().st_size > 100
+    monkeypatch.setenv("DDLSCOPE_CACHE_DIR", str(tmp_path / "file-not-folder"))
+    (tmp_path / "file-not-folder").write_text("")  # unwritable cache: still the same data
+    synthetic_cifar.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(first, synthetic_cifar(5, 120, 30)))
+    synthetic_cifar.cache_clear()
+
+
 def test_shapes_and_balanced_classes() -> None:
     x_train, y_train, x_test, y_test = synthetic_cifar(0, 1000, 200)
     assert x_train.shape == (1000, 3, 32, 32) and x_test.shape == (200, 3, 32, 32)
@@ -51,10 +71,9 @@ def test_shapes_and_balanced_classes() -> None:
 
 
 def test_default_size_generates_fast() -> None:
-    synthetic_cifar.cache_clear()
     spec = ResnetCifarSpec()
     start = time.perf_counter()
-    synthetic_cifar(11, spec.samples, spec.test_samples)
+    _generate_synthetic_cifar(11, spec.samples, spec.test_samples)  # without the file cache
     assert time.perf_counter() - start < 4.0  # about 1.3 s on an idle 2-core machine; allow a shared one
     synthetic_cifar.cache_clear()
 

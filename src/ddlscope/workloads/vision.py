@@ -29,9 +29,14 @@ FSDP shards them block by block (strategies/units.py).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -45,6 +50,7 @@ from ddlscope.workloads import WORKLOADS
 from ddlscope.workloads.base import Task, Workload, cross_entropy
 
 NUM_CLASSES = 10
+CACHE_DIR_ENV = "DDLSCOPE_CACHE_DIR"  # where generated data sets are kept between runs
 IMAGE_PX = 32
 CHANNELS = 3
 MAX_NORM_GROUPS = 8
@@ -283,7 +289,51 @@ def _compose(labels: Tensor, templates: Tensor, clutter: Tensor, gen: torch.Gene
 @lru_cache(maxsize=2)
 def synthetic_cifar(seed: int, train_samples: int, test_samples: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x_train, y_train, x_test, y_test): uint8 images (n, 3, 32, 32), int64 labels, classes balanced
-    (label i is i mod 10, so the data order alone shuffles them). A pure function of the arguments."""
+    (label i is i mod 10, so the data order alone shuffles them). A pure function of the arguments.
+
+    Generating the default 12,000 images costs every rank about 2 s of CPU, more than a short run's
+    training on this machine, so the result is kept in a file cache (`DDLSCOPE_CACHE_DIR`, else
+    ~/.cache/ddlscope) named by the arguments and a digest of this module and of torch's version
+    (what the images are a function of): other ranks and later runs load it instead. A cache that
+    cannot be read is regenerated; one that cannot be written is skipped.
+    """
+    path = _cache_dir() / f"synthetic-cifar-{_generator_digest()}-{seed}-{train_samples}-{test_samples}.pt"
+    try:
+        x_train, y_train, x_test, y_test = torch.load(path, weights_only=True)
+        return x_train, y_train, x_test, y_test
+    except Exception:  # noqa: BLE001 (absent, truncated or foreign: any failure means generate)
+        pass
+    data = _generate_synthetic_cifar(seed, train_samples, test_samples)
+    _write_atomically(path, data)
+    return data
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path(base) / "ddlscope")
+
+
+@lru_cache(maxsize=1)
+def _generator_digest() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+
+
+def _write_atomically(path: Path, data: tuple[Tensor, ...]) -> None:
+    """Write to a private temporary file beside `path`, then rename: a reader sees all or nothing."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+        os.replace(tmp, path)
+    except OSError:  # a read-only or full disk: the cache is only a speed-up
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _generate_synthetic_cifar(seed: int, train_samples: int, test_samples: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     with torch.device("cpu"):  # real tensors even when the model is built on the meta device
         gen = _generator(seed, 0)
         templates = _class_templates(gen)
