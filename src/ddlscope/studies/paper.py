@@ -315,20 +315,29 @@ class _Analysis:
             verdict = ("agrees: DDP speeds training up, most on a fast, homogeneous cluster"
                        + (f"; {fast[top]:.1f}x at {top} workers is within the paper's 2-3x" if in_range else
                           f"; {fast[top]:.1f}x at {top} workers is {'below' if fast[top] < 2 else 'above'} "
-                          "the paper's 2-3x"))
+                          "the paper's 2-3x" + (self._below_why(top) if fast[top] < 2 else "")))
         elif best_on_fast:
             verdict = ("partly: the order agrees (fast, homogeneous is best), but there is no 2-3x here: "
-                       + self.setting.regime + self._exchange_share(top))
+                       + self.setting.regime + (f" ({self._exchange_phrase(top)})" if self._exchange_phrase(top) else ""))
         else:
             verdict = "differs: DDP did not gain most on the fast homogeneous cluster here"
         return {"headline": "DDP speedup over one device", "paper": "2-3x, best on homogeneous, gang-scheduled, "
                 "high-bandwidth clusters", "measured": measured, "verdict": verdict}
 
-    def _exchange_share(self, world: int) -> str:
-        """' (the gradient exchange took N% of a step at W workers)', from the cell's phase breakdown."""
+    def _below_why(self, world: int) -> str:
+        """Why the speedup falls short: each worker's share of the global batch, against the 128
+        images per GPU of the paper's CIFAR runs, sets how much compute hides each gradient byte."""
+        per_worker = self.setting.workload["batch_size"] // world
+        exchange = self._exchange_phrase(world)
+        return (f" ({per_worker} images per worker against the paper's 128 per GPU: less compute to hide each "
+                f"gradient byte behind{'; ' + exchange if exchange else ''})")
+
+    def _exchange_phrase(self, world: int) -> str:
+        """'waiting for the gradient exchange took N% of a step at W workers', from the cell's phase
+        breakdown; '' without one."""
         r = self.get_at("ddp", "fast", "homogeneous", world)
         share = r.summary.breakdown_fraction.get("comm_wait_s") if r else None
-        return f" (waiting for the gradient exchange took {share:.0%} of a step at {world} workers)" if share else ""
+        return f"waiting for the gradient exchange took {share:.0%} of a step at {world} workers" if share else ""
 
     def _fsdp_memory(self) -> dict[str, str] | None:
         ddp, fsdp = self.by_key.get("memory/ddp/w4"), self.by_key.get("memory/fsdp/w4")
