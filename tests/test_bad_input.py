@@ -112,6 +112,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "cluster-missing": (["predict", *MODEL], "--cluster"),
     # ---- predict / plan: models and parallel layouts
     "predict-missing-hidden": (["predict", "--cluster", "h100:1x8"], "--hidden"),
+    "predict-unknown-model": (["predict", "--cluster", "a100-80gb:1x4", "--model", "nope", "--global-batch", "8"],
+                              "--model"),
+    "predict-workload-image-size": (["predict", "--cluster", "a100-80gb:1x4", "--model", "resnet-cifar",
+                                     "--global-batch", "8", "--image-size", "224"], "--image-size"),
     "predict-negative-hidden": (["predict", "--cluster", "h100:1x8", *MODEL, "--hidden", "-5"], "model.hidden"),
     "predict-tp-not-dividing-gpus": (["predict", "--cluster", "h100:1x8", *MODEL, "--tp", "3"], "tp x pp"),
     "predict-pp-over-layers": (["predict", "--cluster", "h100:1x8", *MODEL, "--layers", "2", "--pp", "4"], "pp = 4"),

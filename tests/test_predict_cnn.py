@@ -173,3 +173,32 @@ def test_advise_takes_a_cnn_model_without_building_it():
     assert out["workload"]["params"] == PUBLISHED["vgg16"][2] and out["workload"]["batch_per_gpu"] == 32
     steps = {s["strategy"]: s["step_s"] for s in out["strategies"]}
     assert steps["ddp"] < steps["ps-sync"]  # 8 x 553 MB through one server's link on 40 Gb/s Ethernet
+
+
+@pytest.mark.parametrize("workload", ["resnet-cifar", "vgg-cifar"])
+def test_a_registered_workload_is_predicted_from_its_recorded_layers(workload):
+    """`--model resnet-cifar`: the layers recorded from one real forward hold the model's exact parameter
+    count, and their GEMM FLOPs per sample equal the step profiler's (forward + backward, the first
+    convolution without a data gradient); the CLI prices it like any CNN."""
+    import torch
+
+    from ddlscope.cli.predict import _workload_layers
+    from ddlscope.predict.cnn import hardware_flops_per_sample
+    from ddlscope.runtime.profiler import profile_task
+    from ddlscope.workloads import WORKLOADS
+
+    layers = _workload_layers(workload)
+    spec = CNNSpec(workload, global_batch=4, image_size=32, classes=10, layers=layers)
+    task = WORKLOADS.get(workload).build(WORKLOADS.get(workload).spec_class(samples=10, test_samples=10), 0)
+    assert counts(spec).params == sum(p.numel() for p in task.model.parameters())
+    assert hardware_flops_per_sample(spec) * 4 == profile_task(task, 4).flops
+    assert sum(layer.kind == "conv" for layer in layers) == sum(isinstance(m, torch.nn.Conv2d)
+                                                                 for m in task.model.modules())
+    blocks = len(task.model.blocks)  # units: the stem (0, if any), each block, the head (blocks + 1)
+    assert set(range(1, blocks + 2)) <= {layer.unit for layer in layers} <= set(range(blocks + 2))
+    result = CliRunner().invoke(cli.app, ["predict", "--json", "--cluster", "a100-80gb:1x4", "--model", workload,
+                                          "--global-batch", "256", "--micro-batch", "64", "--dp", "4"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["parameters"] == counts(spec).params and out["model"]["layers"] == len(layers)
+    assert 0 < out["step_time_s"] < 0.05

@@ -306,9 +306,31 @@ def _required(value: Any, what: str) -> Any:
 
 def _is_cnn(model_raw: dict[str, Any]) -> bool:
     name = model_raw.get("name", "gpt")
-    if name not in MODELS:
-        raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}")
-    return name in CNN_MODELS
+    if name not in MODELS and name not in _vision_workloads():
+        raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}, or a vision workload: "
+                          f"{', '.join(_vision_workloads())}")
+    return name != "gpt"
+
+
+def _vision_workloads() -> tuple[str, ...]:
+    """Registered workloads that train a CNN on images: predicted from their own recorded layers."""
+    from ddlscope.workloads import WORKLOADS
+    from ddlscope.workloads.vision import VisionSpec
+
+    return tuple(sorted(name for name, cls in WORKLOADS.items() if issubclass(cls.spec_class, VisionSpec)))
+
+
+def _workload_layers(name: str) -> tuple[Any, ...]:
+    """The registered workload's network (its default knobs) as predict/cnn.py's layers, recorded
+    from one real forward (runtime/profiler.py); the data set is generated at its smallest."""
+    from ddlscope.predict.cnn import Layer
+    from ddlscope.runtime.profiler import cnn_layer_records
+    from ddlscope.workloads import WORKLOADS
+
+    workload = WORKLOADS.get(name)
+    task = workload.build(workload.spec_class(samples=10, test_samples=10), seed=0)
+    image, _ = task.train.get(__import__("torch").arange(1))
+    return tuple(Layer(**record) for record in cnn_layer_records(task.model, image))
 
 
 def _cnn_spec(raw: dict[str, Any]):
@@ -318,6 +340,11 @@ def _cnn_spec(raw: dict[str, Any]):
         if key in raw:
             raise ConfigError(f"--{key.replace('_', '-')} (model.{key}) is a GPT option; "
                               f"{raw['name']} takes --global-batch, --image-size, --classes, --dtype")
+    if raw["name"] not in CNN_MODELS:
+        for key in ("image_size", "classes"):
+            if key in raw:
+                raise ConfigError(f"--{key.replace('_', '-')}: {raw['name']} is a registered workload; its images "
+                                  "(32x32, 10 classes) are fixed")
     kwargs: dict[str, Any] = {"name": raw["name"], "global_batch": _int(
         _required(raw.get("global_batch"), "--global-batch (or model.global_batch in the config file)"),
         "model.global_batch", minimum=1)}
@@ -329,6 +356,8 @@ def _cnn_spec(raw: dict[str, Any]):
             if not isinstance(raw[key], str):
                 raise ConfigError(f"model.{key} = {raw[key]!r}: must be a string")
             kwargs[key] = raw[key]
+    if raw["name"] not in CNN_MODELS:
+        kwargs.update(image_size=32, classes=10, layers=_workload_layers(raw["name"]))
     spec = CNNSpec(**kwargs)
     validate_cnn(spec)
     return spec

@@ -165,6 +165,9 @@ class CNNSpec:
     classes: int = 1000
     dtype: str = "fp32"
     optimizer: Optimizer = "sgd-momentum"
+    # A registered workload's own network, recorded from its forward (`ddlscope predict --model
+    # resnet-cifar`); empty for the built-in models, which `name` picks.
+    layers: tuple[Layer, ...] = ()
 
     @property
     def activation_bytes(self) -> int:
@@ -176,9 +179,9 @@ class CNNSpec:
 
 
 def validate_cnn(spec: CNNSpec) -> None:
-    if spec.name not in CNN_MODELS:
+    if spec.name not in CNN_MODELS and not spec.layers:
         raise ConfigError(f"model = {spec.name!r}: allowed: gpt, {', '.join(CNN_MODELS)}")
-    if spec.image_size not in IMAGE_SIZES:
+    if spec.image_size not in IMAGE_SIZES and not spec.layers:
         raise ConfigError(f"image_size = {spec.image_size}: allowed: 224 (ImageNet), 32 (CIFAR)")
     if not 1 <= spec.classes <= 2**20:
         raise ConfigError(f"classes = {spec.classes}: must be between 1 and {2**20:,}")
@@ -356,6 +359,8 @@ BUILDERS = {"resnet50": resnet50_layers, "vgg16": vgg16_layers, "densenet121": d
 
 def layers_of(spec: CNNSpec) -> list[Layer]:
     validate_cnn(spec)
+    if spec.layers:
+        return list(spec.layers)
     return _layers(spec.name, spec.image_size, spec.classes)
 
 

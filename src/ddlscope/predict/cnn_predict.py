@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ddlscope.predict import cnn
 from ddlscope.predict import strategies as pst
@@ -207,7 +207,7 @@ def predict_cnn(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluster, strateg
     images_per_gpu = spec.global_batch / step_s / n
     parallel_dict = {**asdict(parallel), "strategy": strategy}
     return CNNPrediction(
-        cluster=str(cluster), model=asdict(spec), parallel=parallel_dict, step_time_s=step_s,
+        cluster=str(cluster), model=model_dict(spec), parallel=parallel_dict, step_time_s=step_s,
         tflops_per_gpu=hardware_flops / (step_s * n) / 1e12, mfu=model_flops / (step_s * n * peak),
         hfu=hardware_flops / (step_s * n * peak), tokens_per_s_per_gpu=images_per_gpu,
         samples_per_s=spec.global_batch / step_s, memory_gb_per_gpu=total / GB,
@@ -227,6 +227,16 @@ def predict_cnn(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluster, strateg
 # ---------------------------------------------------------------------------- plan
 TERMS = {"compute": "compute", "dp_grad_sync": "gradient sync", "zero_comm": "FSDP gathers",
          "optimizer": "optimizer"}
+
+
+def model_dict(spec: CNNSpec) -> dict[str, Any]:
+    """The model as the prediction reports it: a recorded workload's layer list as its length."""
+    out = asdict(spec)
+    if spec.layers:
+        out["layers"] = len(spec.layers)
+    else:
+        del out["layers"]
+    return out
 
 
 def label(p: CNNPrediction) -> str:

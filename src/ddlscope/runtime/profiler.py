@@ -237,6 +237,89 @@ class _OpCounter(TorchDispatchMode):
         return out
 
 
+# Forward ops that keep a CNN layer's shape, by the kind predict/cnn.py prices them as (memory-bound).
+SHAPE_KEEPING_OPS = {"native_group_norm": "norm", "native_batch_norm": "norm", "native_layer_norm": "norm",
+                     "_native_batch_norm_legit": "norm", "_native_batch_norm_legit_no_training": "norm",
+                     "relu": "relu", "relu_": "relu", "gelu": "relu", "silu": "relu", "hardtanh": "relu",
+                     "add": "add", "add_": "add", "mul": "add", "native_dropout": "dropout"}
+POOL_OPS = {"max_pool2d_with_indices": "maxpool", "avg_pool2d": "avgpool", "_adaptive_avg_pool2d": "avgpool",
+            "mean": "avgpool"}
+
+
+def cnn_layer_records(model: nn.Module, image: Tensor) -> list[dict[str, Any]]:
+    """A CNN's forward as the layer list predict/cnn.py prices (its `Layer` fields, as dicts): every
+    convolution, linear layer, norm, activation, residual add or scale, pooling and concatenation of
+    one image's forward, recorded from the ops a real forward dispatches, so any registered vision
+    workload can be predicted at cluster scale. `unit` is the index of the `model.blocks` entry the
+    op ran in (the FSDP unit), 0 before the first block (the stem) and one past the last after it.
+    """
+    device = _device_of(model)
+    if device.type == "meta":
+        raise ValueError("layer records need a real model: meta kernels dispatch different ops")
+    replica = copy.deepcopy(model).eval()
+    recorder = _LayerRecorder()
+    blocks = getattr(replica, "blocks", None)
+    hooks = []
+    if isinstance(blocks, nn.ModuleList):
+        for i, block in enumerate(blocks):
+            hooks.append(block.register_forward_pre_hook(lambda *_, i=i: recorder.enter_unit(i + 1)))
+        hooks.append(blocks[-1].register_forward_hook(lambda *_: recorder.enter_unit(len(blocks) + 1)))
+    try:
+        with torch.no_grad(), recorder:
+            replica(image[:1].to(device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return recorder.records
+
+
+class _LayerRecorder(TorchDispatchMode):
+    """Turns one forward's dispatched ops into CNN layer records (square spatial sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[dict[str, Any]] = []
+        self.unit = 0
+
+    def enter_unit(self, unit: int) -> None:
+        self.unit = unit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(getattr(func, "__name__", func)).split(".")[0]
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(first, Tensor):
+            record = self._record(name, args, first)
+            if record is not None:
+                self.records.append({"name": f"{name}{len(self.records)}", "unit": self.unit, **record})
+        return out
+
+    def _record(self, name: str, args: tuple[Any, ...], out: Tensor) -> dict[str, Any] | None:
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if name == "convolution" and x is not None:
+            weight = args[1]
+            return {"kind": "conv", "c_in": x.shape[1], "c_out": out.shape[1], "h_in": x.shape[-1],
+                    "h_out": out.shape[-1], "kernel": weight.shape[-1], "stride": int(args[3][0]),
+                    "groups": int(args[8]), "bias": args[2] is not None,
+                    "first": not any(r["kind"] == "conv" for r in self.records)}
+        if name in ("addmm", "mm") and out.dim() == 2:
+            a = args[-2]
+            return {"kind": "linear", "c_in": a.shape[-1], "c_out": out.shape[-1], "h_in": 1, "h_out": 1,
+                    "bias": name == "addmm"}
+        if x is None or out.dim() not in (2, 4):
+            return None
+        channels, size = out.shape[1], (out.shape[-1] if out.dim() == 4 else 1)
+        if name in SHAPE_KEEPING_OPS and any(isinstance(a, Tensor) and a.shape == out.shape for a in args):
+            return {"kind": SHAPE_KEEPING_OPS[name], "c_in": channels, "c_out": channels, "h_in": size, "h_out": size}
+        if name in POOL_OPS and x.dim() == 4:
+            return {"kind": POOL_OPS[name], "c_in": x.shape[1], "c_out": x.shape[1], "h_in": x.shape[-1],
+                    "h_out": size, "kernel": max(x.shape[-1] // max(size, 1), 1),
+                    "stride": max(x.shape[-1] // max(size, 1), 1)}
+        if name == "cat" and out.dim() == 4:
+            return {"kind": "concat", "c_in": channels, "c_out": channels, "h_in": size, "h_out": size}
+        return None
+
+
 def _conv_as_gemms(name: str, args: tuple[Any, ...], out: Any) -> list[Matmul]:
     """A convolution's kernels as the GEMMs they compute (im2col, the implicit-GEMM view).
 
