@@ -509,7 +509,10 @@ def prediction_table(result: dict[str, Any]) -> Table:
 def _print_prediction(p: Any, label: str, spot: bool) -> None:
     console.print(f"[bold]{escape(str(p.cluster))}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
     head = Table(show_header=False, box=None, pad_edge=False)
-    head.add_row("step time", f"{p.step_time_s:.4g} s")
+    spread = getattr(p, "range", None) or {}
+    head.add_row("step time", f"{p.step_time_s:.4g} s" + (
+        f"  (range {spread['step_time_s'][0]:.4g}-{spread['step_time_s'][1]:.4g} s: the kernel sources' spread)"
+        if "step_time_s" in spread else ""))
     if hasattr(p, "images_per_s_per_gpu"):  # a CNN
         head.add_row("model", f"{p.model['name']} at {p.model['image_size']}x{p.model['image_size']}: "
                      f"{p.parameters:,} parameters, {p.forward_gmacs_per_sample:.3g} GMACs forward per image, "

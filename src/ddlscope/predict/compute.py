@@ -1,17 +1,29 @@
-"""Compute model: FLOPs (closed form) and the time one GPU takes for them.
+"""Compute model: FLOPs (closed form) and the time one GPU takes for them, kernel by kernel.
 
-Time = sum over a layer's operations of
-    GEMM FLOPs / (peak x efficiency(M, N, K))        tensor-core work
-  + attention-core time (FlashAttention or unfused batched GEMMs)
-  + bytes moved by element-wise ops / achieved memory bandwidth
+Time = sum over a layer's kernels of
+    GEMMs            2 M N K / (peak x gemm_kernel_fraction x quantisation(M, N, batch)),
+                     or the time to move their operands once if that is longer (a roofline)
+  + attention core   FlashAttention at its own measured rate, or unfused as batched GEMMs plus
+                     the softmax / dropout passes over the s x s scores
+  + element-wise     bytes moved / (datasheet HBM bandwidth x STREAM-measured fraction)
   + kernels x per-kernel launch gap
-where a GEMM takes the longer of its tensor-core time, FLOPs / (peak x
-kernel_fraction x sustained_fraction x sat(M) sat(N)), and the time to move
-its operands once (a roofline), with sat(x) = x / (x + half_dim): an output
-dimension much larger than the tensor-core tile costs nothing, one tile wide
-costs half (tile padding and the last, partly filled wave of thread blocks). The constants are per device, in
-catalogue.toml, with their sources. Everything here is element-wise over
-numpy arrays.
+
+`quantisation` is the GEMM's tile and wave quantisation on the device's SMs
+(NVIDIA, "Matrix Multiplication Background User's Guide": the output is cut
+into tiles, one thread block per tile, and the blocks run in waves of one per
+SM, so a last, partly filled wave and the padding of edge tiles cost their
+full time). The kernel library picks the tile shape that does best, as
+cuBLAS's heuristics do; a smaller tile fills waves better but reads more
+bytes per FLOP from L2, so its rate is capped by the L2 bandwidth
+(datasheet). `gemm_kernel_fraction` is the rate of the best-shaped large
+GEMM measured in isolation (published matmul benchmarks, catalogue.toml).
+A device without an SM count (a calibrated CPU, `local`) keeps the smooth
+curve sat(M) sat(N), sat(x) = x / (x + half_dim).
+
+No constant here or in catalogue.toml is fitted to a training run; each says
+its source. `sustained_fraction` (1 in the catalogue) is the user's knob for
+a stack they measured (`predict --measured-step-s`). Everything is element-wise
+over numpy arrays.
 """
 
 from __future__ import annotations
@@ -97,15 +109,62 @@ def dimension_saturation(x, half_dim: float):
     return x / (x + half_dim)
 
 
-def gemm_efficiency(m, n, k, device: Device):
-    """Achieved fraction of peak for the tensor-core work of an (m x k) @ (k x n) GEMM in a training job.
+# Thread-block tiles (rows x columns of the output) the GEMM library chooses among: CUTLASS/cuBLAS
+# tensor-core kernels for 16-bit inputs on Ampere and Hopper (NVIDIA's matmul guide uses 256x128 as the
+# large tile; 128x128, 128x64 and 64x64 are the smaller ones it falls back to for small outputs).
+GEMM_TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+LARGEST_TILE = GEMM_TILES[0]
 
-    Only the output dimensions pay tile/wave quantization; a short reduction
+
+def tile_rate_fraction(tile_m: int, tile_n: int, device: Device, bytes_per_element: float = 2.0) -> float:
+    """Rate of a tile shape relative to the largest tile's, as the L2 bandwidth caps it.
+
+    Each k-step a block reads (tile_m + tile_n) k elements and does 2 tile_m tile_n k FLOPs, so it needs
+    peak / L2 bandwidth FLOPs per byte to keep the tensor cores busy; a tile with less runs at the L2's pace.
+    """
+    e = device.efficiency
+    if e.l2_bytes_per_s <= 0:
+        return 1.0
+    needed = max(device.peak_flops.values()) / e.l2_bytes_per_s  # the 16-bit tensor peak, the most demanding
+
+    def rate(tm: int, tn: int) -> float:
+        return min(1.0, 2.0 * tm * tn / ((tm + tn) * bytes_per_element) / needed)
+
+    return rate(tile_m, tile_n) / rate(*LARGEST_TILE)
+
+
+def wave_quantisation(m, n, batch, sms: int, tile_m: int, tile_n: int):
+    """Useful share of the thread-block slots a GEMM occupies: tile padding x the partial last wave.
+
+    `batch` independent GEMMs (a batched GEMM) share the waves. One block per SM at a time.
+    """
+    m, n, batch = (np.asarray(x, dtype=float) for x in (m, n, batch))
+    tiles = np.ceil(m / tile_m) * np.ceil(n / tile_n) * batch
+    waves = np.ceil(tiles / sms)
+    return (m * n * batch) / np.maximum(waves * sms * tile_m * tile_n, 1.0)
+
+
+def gemm_quantisation(m, n, device: Device, batch=1.0):
+    """Best fraction of the large-GEMM rate over the tiles the library can choose (cuBLAS's heuristic)."""
+    e = device.efficiency
+    if e.sms <= 0:
+        d = e.gemm_half_dim
+        return dimension_saturation(m, d) * dimension_saturation(n, d)
+    best = None
+    for tm, tn in GEMM_TILES:
+        value = wave_quantisation(m, n, batch, e.sms, tm, tn) * tile_rate_fraction(tm, tn, device)
+        best = value if best is None else np.maximum(best, value)
+    return best
+
+
+def gemm_efficiency(m, n, k, device: Device, batch=1.0):
+    """Achieved fraction of peak for the tensor-core work of `batch` (m x k) @ (k x n) GEMMs.
+
+    Only the output dimensions pay tile/wave quantisation; a short reduction
     dimension k shows up instead as low arithmetic intensity (see `gemm_s`).
     """
     e = device.efficiency
-    d = e.gemm_half_dim
-    return e.gemm_kernel_fraction * e.sustained_fraction * dimension_saturation(m, d) * dimension_saturation(n, d)
+    return e.gemm_kernel_fraction * e.sustained_fraction * gemm_quantisation(m, n, device, batch)
 
 
 def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_element: float = 2.0,
@@ -120,7 +179,8 @@ def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_elem
     flops = 2.0 * batch * m * n * k
     if operand_bytes is None:
         operand_bytes = bytes_per_element * batch * (m * k + k * n + m * n)
-    return np.maximum(flops / (peak_flops * gemm_efficiency(m, n, k, device)), memory_bound_s(operand_bytes, device))
+    return np.maximum(flops / (peak_flops * gemm_efficiency(m, n, k, device, batch)),
+                      memory_bound_s(operand_bytes, device))
 
 
 def linear_forward_s(tokens, n_out, k_in, device: Device, peak_flops: float):

@@ -125,17 +125,43 @@ class _Shape:
                    m=model.global_batch / (d * b), layers_per_stage=model.layers / p, single_stage=p == 1)
 
 
-def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float):
-    """(forward, backward, recomputed) seconds of one layer, one micro-batch, one GPU, no communication."""
+def _per_distinct(fn, *keys):
+    """`fn(*keys)` evaluated once per distinct combination of the key arrays, spread back to every element.
+
+    The kernel times depend on the micro-batch, the TP size and SP only: a few dozen combinations
+    among the planner's thousands of configurations, each priced over several GEMM tile shapes.
+    """
+    shape = np.shape(keys[0])
+    columns = [np.broadcast_to(np.asarray(k), shape).ravel().astype(np.int64) for k in keys]
+    code = np.zeros(columns[0].shape, dtype=np.int64)
+    for column in columns:  # one integer per combination (the keys are small non-negative integers)
+        code = code * (int(column.max(initial=0)) + 1) + column
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    distinct = [column[first].astype(float) for column in columns]
+    results = fn(*distinct)
+    return tuple(np.asarray(r, dtype=float)[inverse.ravel()].reshape(shape) for r in results)
+
+
+def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, peak: float):
+    """(layer forward, layer backward, attention forward, embedding f/b, logits f/b) for one micro-batch."""
     dev = cluster.device
-    gemm_f, gemm_b = compute.layer_gemm_times_s(model, x.b, x.t, dev, peak)
-    attn_f, attn_b = compute.attention_core_times_s(model, x.b, x.t, dev, peak)
-    elem_f, elem_b = compute.layer_elementwise_times_s(model, x.b, x.t, x.sp, dev)
+    gemm_f, gemm_b = compute.layer_gemm_times_s(model, b, t, dev, peak)
+    attn_f, attn_b = compute.attention_core_times_s(model, b, t, dev, peak)
+    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp.astype(bool), dev)
     gap_f, gap_b = compute.kernel_gaps_s(dev)
-    forward = gemm_f + attn_f + elem_f + gap_f
-    backward = gemm_b + attn_b + elem_b + gap_b
+    emb_f, emb_b = compute.embedding_times_s(model, b, dev)
+    out_f, out_b = compute.output_layer_times_s(model, b, t, dev, peak)
+    return (gemm_f + attn_f + elem_f + gap_f, gemm_b + attn_b + elem_b + gap_b, attn_f + 0.0 * b,
+            emb_f + 0.0 * b, emb_b + 0.0 * b, out_f, out_b)
+
+
+def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float):
+    """(forward, backward, recomputed, embedding f/b, logits f/b) seconds, one micro-batch, one GPU,
+    no communication; a layer's recomputation re-runs its forward (full) or its attention core (selective)."""
+    forward, backward, attn_f, emb_f, emb_b, out_f, out_b = _per_distinct(
+        lambda b, t, sp: _kernel_times_s(model, cluster, b, t, sp, peak), x.b, x.t, x.sp)
     recomputed = np.where(x.recompute == 2, forward, np.where(x.recompute == 1, attn_f, 0.0))
-    return forward, backward, recomputed
+    return forward, backward, recomputed, (emb_f, emb_b), (out_f, out_b)
 
 
 def _tensor_parallel_pair_s(model: ModelSpec, cluster: Cluster, x: _Shape):
@@ -217,9 +243,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     extra_on_single = lambda value: np.where(single, value, 0.0)  # noqa: E731
 
     # -- per micro-batch, per stage: compute, tensor-parallel collectives, pipeline sends
-    layer_f, layer_b, layer_recompute = _layer_times_s(model, cluster, x, peak)
-    emb_f, emb_b = compute.embedding_times_s(model, x.b, dev)
-    out_f, out_b = compute.output_layer_times_s(model, x.b, x.t, dev, peak)
+    layer_f, layer_b, layer_recompute, (emb_f, emb_b), (out_f, out_b) = _layer_times_s(model, cluster, x, peak)
     first_compute_f = lps * layer_f + emb_f + extra_on_single(out_f)
     first_compute_b = lps * (layer_b + layer_recompute) + emb_b + extra_on_single(out_b)
     last_compute_f = lps * layer_f + out_f + extra_on_single(emb_f)

@@ -79,8 +79,21 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
 def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bool = False) -> Prediction:
     """Validate and score one configuration."""
     validate(model, parallel, cluster)
-    out = evaluate(model, cluster, ConfigArrays.from_specs([parallel]))
-    return prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+    configs = ConfigArrays.from_specs([parallel])
+    out = evaluate(model, cluster, configs)
+    prediction = prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+    prediction.range = prediction_range(model, cluster, configs)
+    return prediction
+
+
+RANGE_KEYS = ("step_time_s", "tflops_per_gpu", "mfu")
+
+
+def prediction_range(model: ModelSpec, cluster: Cluster, configs: ConfigArrays, i: int = 0) -> dict[str, list[float]]:
+    """[low, high] of the headline figures with every measured efficiency at either end of its sources."""
+    slow = evaluate(model, cluster.at_bound("low"), configs)
+    fast = evaluate(model, cluster.at_bound("high"), configs)
+    return {key: sorted([float(slow[key][i]), float(fast[key][i])]) for key in RANGE_KEYS}
 
 
 # The lowest fraction tried: below it a GPU would do a tenth of its isolated GEMM rate, which no

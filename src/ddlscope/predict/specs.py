@@ -153,6 +153,9 @@ class Prediction:
     micro_batches: int
     bubble_fraction: float
     notes: list[str] = field(default_factory=list)
+    # [low, high] of step_time_s, tflops_per_gpu, mfu with every measured efficiency at the low and at
+    # the high end of its published sources (catalogue.toml `*_range`); empty where not computed
+    range: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
