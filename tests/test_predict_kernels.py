@@ -50,3 +50,107 @@ def test_flash_attention_at_its_own_rate():
     flops = 4 * 1 * 32 * 4096 * 4096 * 128 * 0.5  # causal: half the blocks
     assert float(forward) == pytest.approx(flops / (312e12 * 0.58))
     assert float(backward) == pytest.approx(2.5 * float(forward))
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+from ddlscope.predict import collectives as coll  # noqa: E402
+from ddlscope.predict.model import ConfigArrays, evaluate  # noqa: E402
+
+MOE = ModelSpec(hidden=1024, heads=8, layers=4, seq=2048, vocab=32000, global_batch=64, experts=8, top_k=2)
+
+
+def test_moe_counts_active_flops_and_all_expert_parameters():
+    h, f = 1024, 4096
+    dense_mlp = 2 * h * f
+    assert MOE.dense_flops_per_token == 2 * (h * 3 * h + h * h + 2 * dense_mlp + h * 8)  # top 2 of 8, + router
+    mlp_params = 2 * h * f + f + h
+    assert MOE.layer_params == (h * 3 * h + 3 * h + h * h + h) + 8 * mlp_params + h * 8 + 4 * h
+
+
+def test_one_expert_top_one_is_the_dense_mlp_plus_a_router():
+    a100 = load_catalogue().devices["a100-80gb"]
+    dense = ModelSpec(hidden=1024, heads=8, layers=4, seq=2048, vocab=32000, global_batch=64)
+    single = ModelSpec(hidden=1024, heads=8, layers=4, seq=2048, vocab=32000, global_batch=64, experts=1, top_k=1)
+    d_f, _ = compute.layer_gemm_times_s(dense, 4, 1, a100, 312e12)
+    s_f, _ = compute.layer_gemm_times_s(single, 4, 1, a100, 312e12)
+    router = compute.linear_forward_s(4 * 2048, 1, 1024, a100, 312e12)
+    assert float(s_f) == pytest.approx(float(d_f + router), rel=1e-12)
+
+
+def test_expert_load_scales_the_busiest_ranks_expert_work():
+    a100 = load_catalogue().devices["a100-80gb"]
+    base = ModelSpec(hidden=4096, heads=32, layers=1, seq=4096, vocab=1, global_batch=1, experts=8, top_k=2)
+    padded = ModelSpec(hidden=4096, heads=32, layers=1, seq=4096, vocab=1, global_batch=1, experts=8, top_k=2,
+                       capacity_factor=2.0)
+    f1, _ = compute.layer_gemm_times_s(base, 2, 1, a100, 312e12, ep=8)
+    f2, _ = compute.layer_gemm_times_s(padded, 2, 1, a100, 312e12, ep=8)
+    attention = sum(compute.linear_forward_s(2 * 4096, n, 4096, a100, 312e12) for n in (3 * 4096, 4096))
+    router = compute.linear_forward_s(2 * 4096, 8, 4096, a100, 312e12)
+    # one local expert, 8 ranks x 8192 tokens x 2 / 8 experts = 16384 tokens (x2 padded): GEMM-bound, wave-aligned
+    experts1, experts2 = float(f1 - attention - router), float(f2 - attention - router)
+    assert experts2 / experts1 == pytest.approx(2.0, rel=0.02)
+    assert experts1 == pytest.approx(2 * 2 * 16384 * 4096 * 16384 / (312e12 * 0.86), rel=0.03)
+
+
+def _one(model, cluster, **parallel):
+    spec = ParallelSpec(**parallel)
+    return evaluate(model, cluster, ConfigArrays.from_specs([spec])), spec
+
+
+def test_expert_all_to_all_by_hand():
+    """8 experts over ep 8 on one NVSwitch node: each rank sends b s h k x 2 bytes, 7/8 of it off-GPU."""
+    cluster = parse_cluster("a100-80gb:1x8")
+    out, spec = _one(MOE, cluster, dp=8, ep=8, micro_batch=2)
+    node = cluster.node
+    size = 2 * 2048 * 1024 * 2 * 2  # b s h k bytes
+    one = size * 7 / 8 / node.intra.achieved_bytes_per_s + 7 * node.intra.alpha_s
+    micro_batches, layers = 64 / (8 * 2), 4
+    assert float(out["ep_comm_s"][0]) == pytest.approx(micro_batches * layers * 4 * one, rel=1e-12)
+    no_ep, _ = _one(MOE, cluster, dp=8, ep=1, micro_batch=2)
+    assert float(no_ep["ep_comm_s"][0]) == 0.0
+    # expert weights: 1/8 of them per GPU with ep 8
+    assert float(no_ep["parameters_bytes"][0]) - float(out["parameters_bytes"][0]) == pytest.approx(
+        2 * 4 * 8 * MOE.mlp_params * 7 / 8, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- context parallelism
+LONG = ModelSpec(hidden=4096, heads=32, layers=8, seq=32768, vocab=32000, global_batch=16)
+
+
+def test_context_parallel_rank_does_the_work_of_its_share_of_tokens():
+    """cp 2 with micro-batch 2 gives each rank the tokens of one sequence: the same kernels as cp 1, micro-batch 1."""
+    cluster = parse_cluster("h100:1x8")
+    cp2, _ = _one(LONG, cluster, cp=2, dp=4, micro_batch=2)
+    cp1, _ = _one(LONG, cluster, cp=1, dp=8, micro_batch=1)
+    assert float(cp2["compute_s"][0]) == pytest.approx(float(cp1["compute_s"][0]), rel=1e-12)
+    assert float(cp2["activations_bytes"][0]) == pytest.approx(float(cp1["activations_bytes"][0]), rel=1e-12)
+
+
+def test_ring_attention_exposed_when_it_crosses_nodes():
+    """tp 8 x cp 4 spans 4 nodes: each of 3 hops sends this rank's K and V chunk over its NIC share while the
+    attention on the previous chunk runs; what does not hide shows."""
+    cluster = parse_cluster("a100-80gb:4x8")
+    out, _ = _one(LONG, cluster, tp=8, cp=4, dp=1, micro_batch=1)
+    node, dev = cluster.node, cluster.device
+    kv_bytes = 1 / 4 * 32768 * 2 * 32 * 128 / 8 * 2
+    hop_f = node.inter.alpha_s + kv_bytes / node.inter_bytes_per_s_per_gpu
+    hop_b = node.inter.alpha_s + 2 * kv_bytes / node.inter_bytes_per_s_per_gpu
+    attn_f, attn_b = compute.attention_core_times_s(LONG, 1 / 4, 8, dev, dev.peak("bf16"))
+    per_layer = max(3 * hop_f - float(attn_f), 0) + max(3 * hop_b - float(attn_b), 0)
+    assert per_layer > 0
+    assert float(out["cp_comm_s"][0]) == pytest.approx(16 * 8 * per_layer, rel=1e-12)
+    inside, _ = _one(LONG, parse_cluster("a100-80gb:4x8"), tp=2, cp=4, dp=4, micro_batch=1)
+    assert float(inside["cp_comm_s"][0]) < float(out["cp_comm_s"][0])  # NVLink hops hide behind attention
+
+
+def test_plan_searches_experts_and_context_parallel():
+    from ddlscope.predict.planner import candidate_configs, plan
+
+    cluster = parse_cluster("h100:2x8")
+    configs = candidate_configs(MOE, cluster)
+    assert set(configs.ep.tolist()) == {1, 2, 4, 8} and 2 in set(configs.cp.tolist())
+    result = plan(MOE, cluster, top=3)
+    assert result.rows and all(r.prediction.fits for r in result.rows)
+    best = result.rows[0].prediction
+    again = predict(MOE, ParallelSpec(**best.parallel), cluster)
+    assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)

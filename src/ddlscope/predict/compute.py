@@ -55,6 +55,9 @@ ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO = 4
 UNFUSED_SCORE_BYTES_FORWARD = 9
 UNFUSED_SCORE_BYTES_BACKWARD = 11
 BACKWARD_TRAFFIC_RATIO = 2.0
+# An MoE layer gathers each routed token's hidden vector into its expert's buffer and scatters the
+# result back: a read and a write of 2 bytes each, twice, per routed token-hidden element.
+MOE_PERMUTE_BYTES = 8
 # FlashAttention-2's backward does 2.5x the forward's matmul work (it
 # recomputes the scores); causal masking lets it skip half the blocks.
 FLASH_BACKWARD_FLOPS_RATIO = 2.5
@@ -198,19 +201,34 @@ def memory_bound_s(bytes_moved, device: Device):
 
 
 # ---------------------------------------------------------------------------- one transformer layer
-def layer_gemm_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
-    """(forward, backward) seconds of the four weight GEMMs of one layer on one tensor-parallel rank."""
+def layer_gemm_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float, ep=1.0):
+    """(forward, backward) seconds of the weight GEMMs of one layer on one tensor-parallel rank.
+
+    A mixture-of-experts layer runs its router (tokens x h x experts) and, on each rank, its
+    experts / ep local experts as one grouped GEMM: each expert gets the ep ranks' tokens x top_k /
+    experts on average, x `expert_load` on the busiest rank (capacity padding or imbalance).
+    """
     tokens = np.asarray(micro_batch, dtype=float) * model.seq
-    tp = np.asarray(tp, dtype=float)
+    tp, ep = np.asarray(tp, dtype=float), np.asarray(ep, dtype=float)
     h, f = model.hidden, model.ffn
     up = (model.mlp_matrices - 1) * f  # gate and up projections fused for SwiGLU
-    shapes = ((model.qkv_width / tp, h),  # QKV, column-parallel
-              (h, h / tp),                # attention output projection, row-parallel
-              (up / tp, h),               # MLP up, column-parallel
-              (h, f / tp))                # MLP down, row-parallel
-    forward = sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
-    backward = sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
-    return forward, backward
+    attention = ((model.qkv_width / tp, h),  # QKV, column-parallel
+                 (h, h / tp))                # attention output projection, row-parallel
+    mlp = ((up / tp, h),                     # MLP up, column-parallel
+           (h, f / tp))                      # MLP down, row-parallel
+    forward = sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in attention)
+    backward = sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in attention)
+    if not model.is_moe:
+        return (forward + sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in mlp),
+                backward + sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in mlp))
+    local = model.experts / ep
+    per_expert = tokens * ep * model.top_k / model.experts * model.expert_load
+    router_f = linear_forward_s(tokens, model.experts, h, device, peak_flops)
+    router_b = linear_backward_s(tokens, model.experts, h, device, peak_flops)
+    expert_f = sum(gemm_s(per_expert, n, k, device, peak_flops, local) for n, k in mlp)
+    expert_b = sum(gemm_s(per_expert, k, n, device, peak_flops, local) + gemm_s(k, n, per_expert, device, peak_flops,
+                                                                               local) for n, k in mlp)
+    return forward + router_f + expert_f, backward + router_b + expert_b
 
 
 def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
@@ -248,6 +266,9 @@ def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parall
     # GeLU reads and writes f wide (4 bytes per f/h); SwiGLU reads two and writes one (6)
     per_ratio = ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO + (2 if model.gated_mlp else 0)
     mlp = per_ratio * (model.ffn / model.hidden) * elements / tp
+    if model.is_moe:  # activations of top_k x load copies of each token; permute in and out (read + write each)
+        routed = model.top_k * model.expert_load
+        mlp = mlp * routed + MOE_PERMUTE_BYTES * routed * elements
     forward_bytes = replicated + mlp
     return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
 
