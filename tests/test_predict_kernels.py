@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from ddlscope.predict import ModelSpec, ParallelSpec, parse_cluster, predict
@@ -92,6 +93,13 @@ def test_expert_load_scales_the_busiest_ranks_expert_work():
     assert experts1 == pytest.approx(2 * 2 * 16384 * 4096 * 16384 / (312e12 * 0.86), rel=0.03)
 
 
+def nccl_by_hand(hops: float, hop_s: float, transfer_s: float) -> float:
+    """NCCL's tuner by hand: LL (6.6 us, hops at 0.6/3.4 of Simple's, half the bandwidth), LL128 (14 us,
+    1.9/3.4, 0.92), Simple (8.4 us, 1, 1)."""
+    return min(6.6e-6 + hops * hop_s * 0.6 / 3.4 + transfer_s / 0.5, 14e-6 + hops * hop_s * 1.9 / 3.4 + transfer_s / 0.92,
+               8.4e-6 + hops * hop_s + transfer_s)
+
+
 def _one(model, cluster, **parallel):
     spec = ParallelSpec(**parallel)
     return evaluate(model, cluster, ConfigArrays.from_specs([spec])), spec
@@ -103,7 +111,7 @@ def test_expert_all_to_all_by_hand():
     out, spec = _one(MOE, cluster, dp=8, ep=8, micro_batch=2)
     node = cluster.node
     size = 2 * 2048 * 1024 * 2 * 2  # b s h k bytes
-    one = size * 7 / 8 / node.intra.achieved_bytes_per_s + 7 * node.intra.alpha_s
+    one = nccl_by_hand(7, node.intra.alpha_s, size * 7 / 8 / node.intra.achieved_bytes_per_s)
     micro_batches, layers = 64 / (8 * 2), 4
     assert float(out["ep_comm_s"][0]) == pytest.approx(micro_batches * layers * 4 * one, rel=1e-12)
     no_ep, _ = _one(MOE, cluster, dp=8, ep=1, micro_batch=2)
@@ -133,8 +141,8 @@ def test_ring_attention_exposed_when_it_crosses_nodes():
     out, _ = _one(LONG, cluster, tp=8, cp=4, dp=1, micro_batch=1)
     node, dev = cluster.node, cluster.device
     kv_bytes = 1 / 4 * 32768 * 2 * 32 * 128 / 8 * 2
-    hop_f = node.inter.alpha_s + kv_bytes / node.inter_bytes_per_s_per_gpu
-    hop_b = node.inter.alpha_s + 2 * kv_bytes / node.inter_bytes_per_s_per_gpu
+    hop_f = nccl_by_hand(1, node.inter.alpha_s, kv_bytes / node.inter_bytes_per_s_per_gpu)
+    hop_b = nccl_by_hand(1, node.inter.alpha_s, 2 * kv_bytes / node.inter_bytes_per_s_per_gpu)
     attn_f, attn_b = compute.attention_core_times_s(LONG, 1 / 4, 8, dev, dev.peak("bf16"))
     per_layer = max(3 * hop_f - float(attn_f), 0) + max(3 * hop_b - float(attn_b), 0)
     assert per_layer > 0
@@ -154,3 +162,31 @@ def test_plan_searches_experts_and_context_parallel():
     best = result.rows[0].prediction
     again = predict(MOE, ParallelSpec(**best.parallel), cluster)
     assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- collectives (NCCL's cost model)
+def test_all_reduce_follows_nccl_protocols_by_message_size():
+    """8 A100 on NVSwitch: a latency floor of ~10 us for tiny messages (the tree with LL: NCCL base 6.8 us +
+    6 hops x 0.6 us), and the ring's full bus bandwidth (300 GB/s x 0.78) for large ones."""
+    node = parse_cluster("a100-80gb:1x8").node
+    tiny = float(coll.all_reduce_s(8.0, 8, 8, node))
+    assert tiny == pytest.approx(6.6e-6 + 6 * 3.4e-6 * 0.6 / 3.4 + 2 * 8 * 1.1 / 234e9 / 0.5, rel=1e-9)
+    sizes = np.array([2.0**k for k in range(10, 34, 2)])
+    times = coll.all_reduce_s(sizes, 8, 8, node)
+    bus = 2 * 7 / 8 * sizes / times
+    assert np.all(np.diff(bus) > 0)  # nccl-tests: bus bandwidth rises with the message size
+    assert bus[-1] == pytest.approx(234e9, rel=0.01)
+    assert bus[5] < 0.6 * 234e9  # 4 MiB: still well short of the peak
+    # the Simple protocol for a 1 GiB ring: base 8.4 us + 14 hops x 3.4 us + bytes at the full bus bandwidth
+    big = 2.0**30
+    assert float(coll.ring_all_reduce_s(big, 8, 8, node)) == pytest.approx(
+        8.4e-6 + 14 * 3.4e-6 + 2 * 7 / 8 * big / 234e9, rel=1e-9)
+
+
+def test_gloo_loopback_is_plain_alpha_beta():
+    from dataclasses import replace
+
+    node = parse_cluster("a100-80gb:1x8").node
+    plain = replace(node, intra=replace(node.intra, nccl=False))
+    assert float(coll.ring_all_reduce_s(1e6, 4, 4, plain)) == pytest.approx(
+        6 * node.intra.alpha_s + 2 * 3 / 4 * 1e6 / node.intra.achieved_bytes_per_s, rel=1e-12)

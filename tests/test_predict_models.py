@@ -154,16 +154,24 @@ def test_mixed_precision_adam_is_sixteen_bytes_per_parameter():
 NODE = parse_cluster("a100-80gb:4x8").node
 
 
+SIMPLE_BASE_S = 8.4e-6  # NCCL's Simple protocol, the one a 1 GB message uses (tuning.cc base latency)
+
+
 def test_ring_reduce_scatter_all_gather_and_all_reduce_are_alpha_beta():
     S, n = 1e9, 8
     bw, alpha = NODE.intra.achieved_bytes_per_s, NODE.intra.alpha_s
-    assert coll.reduce_scatter_s(S, n, 8, NODE) == pytest.approx((n - 1) / n * S / bw + (n - 1) * alpha)
+    assert coll.reduce_scatter_s(S, n, 8, NODE) == pytest.approx(SIMPLE_BASE_S + (n - 1) / n * S / bw + (n - 1) * alpha)
     assert coll.all_gather_s(S, n, 8, NODE) == pytest.approx(coll.reduce_scatter_s(S, n, 8, NODE))
-    assert coll.ring_all_reduce_s(S, n, 8, NODE) == pytest.approx(2 * (n - 1) / n * S / bw + 2 * (n - 1) * alpha)
+    assert coll.ring_all_reduce_s(S, n, 8, NODE) == pytest.approx(
+        SIMPLE_BASE_S + 2 * (n - 1) / n * S / bw + 2 * (n - 1) * alpha)
     assert coll.all_reduce_s(S, 1, 1, NODE) == 0
-    # across nodes with one member per node, each GPU's NIC share sets the pace
+    # across nodes with one member per node, each GPU's NIC share sets the pace, every hop a NIC's latency
     inter = NODE.inter_bytes_per_s_per_gpu
-    assert coll.ring_all_reduce_s(S, 4, 1, NODE) == pytest.approx(2 * 3 / 4 * S / inter + 6 * NODE.inter.alpha_s)
+    assert coll.ring_all_reduce_s(S, 4, 1, NODE) == pytest.approx(
+        SIMPLE_BASE_S + 2 * 3 / 4 * S / inter + 6 * NODE.inter.alpha_s)
+    # 4 nodes of 8: of each trip's 31 hops, 3 cross a node boundary
+    assert coll.ring_all_reduce_s(S, 32, 8, NODE) == pytest.approx(
+        SIMPLE_BASE_S + 2 * 31 / 32 * S / min(inter * 8, bw) + 2 * (28 * alpha + 3 * NODE.inter.alpha_s))
 
 
 def test_tree_wins_for_small_messages_ring_for_large():
@@ -177,8 +185,8 @@ def test_tree_wins_for_small_messages_ring_for_large():
 def test_hierarchical_all_reduce_moves_1_over_g_of_the_data_across_nodes():
     S, per_node, nodes = 8e9, 8, 4
     t = float(coll.hierarchical_all_reduce_s(S, per_node * nodes, per_node, NODE))
-    intra = 2 * 7 / 8 * S / NODE.intra.achieved_bytes_per_s + 14 * NODE.intra.alpha_s
-    inter = 2 * 3 / 4 * (S / 8) / NODE.inter_bytes_per_s_per_gpu + 6 * NODE.inter.alpha_s
+    intra = SIMPLE_BASE_S + 2 * 7 / 8 * S / NODE.intra.achieved_bytes_per_s + 14 * NODE.intra.alpha_s
+    inter = SIMPLE_BASE_S + 2 * 3 / 4 * (S / 8) / NODE.inter_bytes_per_s_per_gpu + 6 * NODE.inter.alpha_s
     assert t == pytest.approx(intra + inter)
 
 
@@ -186,8 +194,9 @@ def test_all_to_all_and_p2p():
     S = 1e9
     t = float(coll.all_to_all_s(S, 32, 8, NODE))
     off = S * 24 / 32 / NODE.inter_bytes_per_s_per_gpu
-    assert t == pytest.approx(off + 31 * NODE.inter.alpha_s)
-    assert coll.p2p_s(S, True, NODE) == pytest.approx(NODE.inter.alpha_s + S / NODE.inter_bytes_per_s_per_gpu)
+    assert t == pytest.approx(SIMPLE_BASE_S + off + 7 * NODE.intra.alpha_s + 24 * NODE.inter.alpha_s)
+    assert coll.p2p_s(S, True, NODE) == pytest.approx(
+        SIMPLE_BASE_S + NODE.inter.alpha_s + S / NODE.inter_bytes_per_s_per_gpu)
     assert coll.p2p_s(S, False, NODE) < coll.p2p_s(S, True, NODE)
 
 

@@ -91,6 +91,7 @@ class Link:
     bandwidth_bytes_per_s: float  # per direction, per GPU (intra) or per NIC (inter)
     alpha_s: float  # latency of one collective step
     efficiency: float  # achieved bus bandwidth / peak
+    nccl: bool = True  # NCCL's protocols and latencies (collectives.py); False: plain alpha-beta (gloo)
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -346,4 +347,4 @@ def _loopback_link(profile: CalibrationProfile, ranks: int) -> Link:
     steps = 2 * (world - 1)
     return Link(key="gloo-loopback", description=f"gloo on loopback (calibrated at {world} ranks)",
                 bandwidth_bytes_per_s=float(required(fit.beta_bytes_per_s, "beta_bytes_per_s")) * steps / world,
-                alpha_s=float(required(fit.alpha_s, "alpha_s")) / steps, efficiency=1.0)
+                alpha_s=float(required(fit.alpha_s, "alpha_s")) / steps, efficiency=1.0, nccl=False)
