@@ -93,6 +93,11 @@ def test_wave_quantisation_by_hand():
     assert float(compute.wave_quantisation(300, 128, 1, 108, 128, 128)) == pytest.approx(300 * 128 / (108 * 128 * 128))
     # a batched GEMM shares the waves: 108 matrices of one tile each fill exactly one wave
     assert float(compute.wave_quantisation(128, 128, 108, 108, 128, 128)) == pytest.approx(1.0)
+    # split-K: a conv weight gradient (576 x 64 outputs, K = 200,704) has 5 tiles of 128x64 for 108 SMs;
+    # K splits 21 ways (floor(108 / 5)) into 105 blocks, one wave; 576 rows pad to 640 -> 0.9 x 105/108
+    assert float(compute.wave_quantisation(576, 64, 1, 108, 128, 64, k=200704)) == pytest.approx(0.9 * 105 / 108)
+    # no split when K is short (each split keeps >= 256) or the tiles fill the SMs already
+    assert float(compute.wave_quantisation(576, 64, 1, 108, 128, 64, k=300)) == pytest.approx(0.9 * 5 / 108)
     a100 = load_catalogue().devices["a100-80gb"]
     # the library takes the best tile: for 2048 x 2048, 128x64 tiles = 512 tiles = 5 waves -> 512/540, at
     # 128 x 64 / 192 = 42.7 FLOP/byte of the 43.2 the L2 must feed (128x128: 256/324; 256x128: 128/216)

@@ -136,18 +136,29 @@ def tile_rate_fraction(tile_m: int, tile_n: int, device: Device, bytes_per_eleme
     return rate(tile_m, tile_n) / rate(*LARGEST_TILE)
 
 
-def wave_quantisation(m, n, batch, sms: int, tile_m: int, tile_n: int):
+# Split-K: a GEMM with fewer output tiles than SMs and a long reduction dimension splits K over
+# several blocks that add their partial sums (cuBLAS / CUTLASS split-K and stream-K kernels); each
+# split keeps at least this many K elements (a few main-loop iterations of 32-64).
+SPLIT_K_MIN_K = 256
+
+
+def wave_quantisation(m, n, batch, sms: int, tile_m: int, tile_n: int, k=None):
     """Useful share of the thread-block slots a GEMM occupies: tile padding x the partial last wave.
 
-    `batch` independent GEMMs (a batched GEMM) share the waves. One block per SM at a time.
+    `batch` independent GEMMs (a batched GEMM) share the waves. One block per SM at a time. Given
+    `k`, a GEMM whose tiles leave SMs idle splits K into as many parts as fill them (split-K).
     """
     m, n, batch = (np.asarray(x, dtype=float) for x in (m, n, batch))
     tiles = np.ceil(m / tile_m) * np.ceil(n / tile_n) * batch
-    waves = np.ceil(tiles / sms)
-    return (m * n * batch) / np.maximum(waves * sms * tile_m * tile_n, 1.0)
+    splits = 1.0 if k is None else np.clip(np.minimum(np.floor(sms / tiles),
+                                                      np.floor(np.asarray(k, dtype=float) / SPLIT_K_MIN_K)), 1.0, None)
+    blocks = tiles * splits
+    waves = np.ceil(blocks / sms)
+    padding = (m * n * batch) / np.maximum(tiles * tile_m * tile_n, 1.0)
+    return padding * blocks / np.maximum(waves * sms, 1.0)
 
 
-def gemm_quantisation(m, n, device: Device, batch=1.0):
+def gemm_quantisation(m, n, device: Device, batch=1.0, k=None):
     """Best fraction of the large-GEMM rate over the tiles the library can choose (cuBLAS's heuristic)."""
     e = device.efficiency
     if e.sms <= 0:
@@ -155,7 +166,7 @@ def gemm_quantisation(m, n, device: Device, batch=1.0):
         return dimension_saturation(m, d) * dimension_saturation(n, d)
     best = None
     for tm, tn in GEMM_TILES:
-        value = wave_quantisation(m, n, batch, e.sms, tm, tn) * tile_rate_fraction(tm, tn, device)
+        value = wave_quantisation(m, n, batch, e.sms, tm, tn, k) * tile_rate_fraction(tm, tn, device)
         best = value if best is None else np.maximum(best, value)
     return best
 
@@ -167,7 +178,7 @@ def gemm_efficiency(m, n, k, device: Device, batch=1.0):
     dimension k shows up instead as low arithmetic intensity (see `gemm_s`).
     """
     e = device.efficiency
-    return e.gemm_kernel_fraction * e.sustained_fraction * gemm_quantisation(m, n, device, batch)
+    return e.gemm_kernel_fraction * e.sustained_fraction * gemm_quantisation(m, n, device, batch, k)
 
 
 def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_element: float = 2.0,
