@@ -108,8 +108,8 @@ PlanCalibrationOpt = Annotated[Optional[Path], typer.Option(
 PredictDbOpt = Annotated[Path, db_option("The store (for --against, and calibrations).")]
 PlanDbOpt = Annotated[Path, db_option("The store (for calibrations).")]
 SustainedOpt = Annotated[Optional[float], typer.Option(
-    "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (what the tensor "
-                                 "cores keep in a training job; fit it with predict --measured-step-s).")]
+    "--sustained-fraction", help="Scale the published kernel rates by what your stack sustains (catalogue: 1, "
+                                 "nothing derated; fit it with predict --measured-step-s).")]
 
 
 # ---------------------------------------------------------------------------- predict

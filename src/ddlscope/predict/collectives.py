@@ -62,8 +62,11 @@ def nccl_time_s(hops_latency_s, transfer_s, node: NodeShape) -> np.ndarray:
     """
     protocols = NCCL_PROTOCOLS if node.intra.nccl else PLAIN
     hops_latency_s, transfer_s = np.asarray(hops_latency_s, dtype=float), np.asarray(transfer_s, dtype=float)
-    times = [p.base_s + hops_latency_s * p.hop_factor + transfer_s / p.bandwidth_fraction for p in protocols]
-    return np.minimum.reduce(times) if len(times) > 1 else times[0]
+    best = None
+    for p in protocols:
+        t = p.base_s + hops_latency_s * p.hop_factor + transfer_s * (1.0 / p.bandwidth_fraction)
+        best = t if best is None else np.minimum(best, t)
+    return best
 
 
 def ring_hops_latency_s(rounds, n, per_node, node: NodeShape) -> np.ndarray:

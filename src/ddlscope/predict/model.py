@@ -204,10 +204,12 @@ def _expert_all_to_all_s(model: ModelSpec, cluster: Cluster, x: _Shape):
     with sequence parallelism); the ep ranks are tp x cp apart (Megatron-core's order tp, cp, ep, dp).
     Not overlapped with compute (Megatron-core's default dispatcher).
     """
+    if not model.is_moe:
+        return np.zeros_like(x.t)
     routed_bytes = (x.bt * model.seq * model.hidden * model.activation_bytes * model.top_k
                     / np.where(x.sp, x.t, 1.0))
     local = coll.group_members_per_node(x.e, x.t * x.c, cluster.gpus_per_node)
-    return np.where(model.is_moe, coll.all_to_all_s(routed_bytes, x.e, local, cluster.node), 0.0)
+    return coll.all_to_all_s(routed_bytes, x.e, local, cluster.node)
 
 
 def _context_ring_s(model: ModelSpec, cluster: Cluster, x: _Shape, attn_f, attn_b):
@@ -217,6 +219,8 @@ def _context_ring_s(model: ModelSpec, cluster: Cluster, x: _Shape, attn_f, attn_
     ring, cp - 1 hops, while it computes attention on the chunk it has (Megatron-core overlaps them);
     backward passes keys and values again with their gradients, twice the bytes. CP ranks are tp apart.
     """
+    if not np.any(x.c > 1):
+        return np.zeros_like(x.t), np.zeros_like(x.t)
     kv_bytes = (x.bt * model.seq * 2 * model.kv * model.head_dim / x.t) * model.activation_bytes
     across = x.t * x.c > cluster.gpus_per_node
     hops = x.c - 1
@@ -349,8 +353,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     bubble_s = (x.p - 1) / x.v * t_stage
     sync_params = np.maximum(first_params, last_params)
     last_backward = np.maximum(first_compute_b, last_compute_b)
-    dp_sync_s = (_data_parallel_sync_s(cluster, x, sync_params, last_backward, c)
-                 + np.where(model.is_moe, _data_parallel_sync_s(cluster, x, experts_here, last_backward, c, True), 0.0))
+    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, last_backward, c)
+    if model.is_moe:
+        dp_sync_s = dp_sync_s + _data_parallel_sync_s(cluster, x, experts_here, last_backward, c, True)
     dense_group, expert_group = _data_group(cluster, x)[0], _data_group(cluster, x, True)[0]
     owned = (sync_params / np.where(x.zero >= 1, dense_group, 1.0)
              + experts_here / np.where(x.zero >= 1, expert_group, 1.0))
