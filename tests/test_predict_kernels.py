@@ -190,3 +190,11 @@ def test_gloo_loopback_is_plain_alpha_beta():
     plain = replace(node, intra=replace(node.intra, nccl=False))
     assert float(coll.ring_all_reduce_s(1e6, 4, 4, plain)) == pytest.approx(
         6 * node.intra.alpha_s + 2 * 3 / 4 * 1e6 / node.intra.achieved_bytes_per_s, rel=1e-12)
+
+
+def test_a_tiny_gemm_is_launch_bound():
+    """A 64 x 64 x 64 GEMM is 0.5 MFLOP: nanoseconds of tensor-core work, but no kernel ends before its launch."""
+    a100 = load_catalogue().devices["a100-80gb"]
+    assert float(compute.gemm_s(64, 64, 64, a100, 312e12)) == a100.efficiency.kernel_overhead_s == 4e-6
+    big = float(compute.gemm_s(8192, 8192, 8192, a100, 312e12))
+    assert big > 100 * a100.efficiency.kernel_overhead_s  # the floor never touches real GEMMs

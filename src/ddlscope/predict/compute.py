@@ -193,8 +193,11 @@ def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_elem
     flops = 2.0 * batch * m * n * k
     if operand_bytes is None:
         operand_bytes = bytes_per_element * batch * (m * k + k * n + m * n)
-    return np.maximum(flops / (peak_flops * gemm_efficiency(m, n, k, device, batch)),
-                      memory_bound_s(operand_bytes, device))
+    # No kernel finishes sooner than its launch takes (the launch latency is the catalogue's per-kernel
+    # overhead): a small model's GEMMs are launch-bound, as on a real GPU.
+    return np.maximum.reduce([flops / (peak_flops * gemm_efficiency(m, n, k, device, batch)),
+                              memory_bound_s(operand_bytes, device),
+                              np.full_like(flops, device.efficiency.kernel_overhead_s)])
 
 
 def linear_forward_s(tokens, n_out, k_in, device: Device, peak_flops: float):
