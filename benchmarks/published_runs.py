@@ -55,6 +55,9 @@ class Run:
     recompute: str = "full"
     zero: int = 0
     sequence_parallel: bool = False
+    # Megatron-LM's "local" DDP (its default until Megatron-core's --overlap-grad-reduce, 2023) all-reduces the
+    # gradients after the last micro-batch's backward (megatron/training.py, train_step): nothing overlapped.
+    overlap_grad_reduce: bool = True
 
 
 def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -65,7 +68,7 @@ def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp
     model = ModelSpec(hidden=hidden, heads=heads, layers=layers, seq=2048, vocab=51200, global_batch=batch,
                       attention="unfused", dtype="fp16")
     return Run(f"Megatron-LM {params}, {gpus} A100", "Narayanan et al. 2021, Table 1", f"a100-80gb:{gpus // 8}x8",
-               model, tp, pp, gpus // (tp * pp), "tflops", tflops)
+               model, tp, pp, gpus // (tp * pp), "tflops", tflops, overlap_grad_reduce=False)
 
 
 MEGATRON_2021 = [
@@ -135,7 +138,7 @@ def korthikanti_530b(global_batch: int, recompute: str, sequence_parallel: bool)
                ModelSpec(hidden=20480, heads=128, layers=105, seq=2048, vocab=51200, global_batch=global_batch,
                          attention="unfused", dtype="fp16"),
                8, 35, 8, "mfu", math.nan, micro_batches=(1,), interleaves=(1, 3), recompute=recompute,
-               sequence_parallel=sequence_parallel)
+               sequence_parallel=sequence_parallel, overlap_grad_reduce=False)
 
 
 # The abstract of Korthikanti et al. 2022: the 530B GPT on 2240 A100s reaches 54.2% MFU with selective
@@ -224,7 +227,8 @@ def predicted_with_range(run: Run, sustained: float | None) -> tuple[float, str,
     for b in run.micro_batches:
         for v in run.interleaves:
             spec = ParallelSpec(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch=b, interleave=v,
-                                recompute=run.recompute, zero=run.zero, sequence_parallel=run.sequence_parallel)
+                                recompute=run.recompute, zero=run.zero, sequence_parallel=run.sequence_parallel,
+                                overlap_grad_reduce=run.overlap_grad_reduce)
             try:
                 p = predict(run.model, spec, cluster)
             except ConfigError:
