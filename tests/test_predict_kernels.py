@@ -198,3 +198,36 @@ def test_a_tiny_gemm_is_launch_bound():
     assert float(compute.gemm_s(64, 64, 64, a100, 312e12)) == a100.efficiency.kernel_overhead_s == 4e-6
     big = float(compute.gemm_s(8192, 8192, 8192, a100, 312e12))
     assert big > 100 * a100.efficiency.kernel_overhead_s  # the floor never touches real GEMMs
+
+
+def _cli_json(*args: str):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ddlscope.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--json", "--db", "no-such-store.db"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+MOE_FLAGS = ("--hidden", "2048", "--heads", "16", "--layers", "8", "--seq", "8192", "--vocab", "32000",
+             "--global-batch", "64", "--experts", "8", "--top-k", "2", "--expert-imbalance", "1.3")
+
+
+def test_predict_and_plan_take_experts_and_context_parallel_from_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = _cli_json("predict", "--cluster", "h100:2x8", *MOE_FLAGS, "--ep", "4", "--cp", "2")
+    assert p["parallel"]["ep"] == 4 and p["parallel"]["cp"] == 2 and p["parallel"]["dp"] == 8
+    assert p["model"]["experts"] == 8 and p["model"]["expert_imbalance"] == 1.3
+    assert p["breakdown_s"]["ep_all_to_all"] > 0
+    low, high = p["range"]["step_time_s"]
+    assert low < p["step_time_s"] < high
+    parts = sum(v for k, v in p["breakdown_s"].items() if k != "recompute_included")
+    assert parts == pytest.approx(p["step_time_s"], rel=1e-12)
+    plan = _cli_json("plan", "--cluster", "h100:2x8", *MOE_FLAGS, "--top", "3")
+    assert len(plan["top"]) == 3 and plan["evaluated"] > 1000
+    for row in plan["top"]:
+        q = row["parallel"]
+        assert q["tp"] * q["cp"] * q["pp"] * q["dp"] == 16

@@ -586,7 +586,7 @@ def _print_plan(result: Any) -> None:
     for r in result.rows:
         p, q = r.prediction, r.prediction.parallel
         label = f"{q['strategy']} DP{q['dp']} mb{q['micro_batch']}" if "strategy" in q else ParallelSpec(**q).label()
-        table.add_row(str(r.rank), label, str(q["tp"] * q["pp"] * q["dp"]),
+        table.add_row(str(r.rank), label, str(q["tp"] * q.get("cp", 1) * q["pp"] * q["dp"]),
                       f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)

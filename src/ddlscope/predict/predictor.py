@@ -184,7 +184,8 @@ def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: Parall
     notes = []
     used = parallel.gpus
     if used < cluster.n_gpus:
-        notes.append(f"uses tp x pp x dp = {used} of the cluster's {cluster.n_gpus} GPUs; "
+        sizes = "tp x pp x dp" if parallel.cp == 1 else "tp x cp x pp x dp"
+        notes.append(f"uses {sizes} = {used} of the cluster's {cluster.n_gpus} GPUs; "
                      "per-GPU figures, energy and cost count the GPUs used")
     if not bool(out["fits"][i]):
         notes.append(f"needs {value('memory_bytes') / GB:.1f} GB per GPU; {cluster.device.key} has "
