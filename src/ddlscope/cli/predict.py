@@ -571,6 +571,12 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
             console.print(f"[yellow]note:[/yellow] {escape(note)}")
 
 
+def _with_range(p: Any) -> str:
+    """The step time, and its range (the kernel sources' spread) where the prediction has one."""
+    spread = (getattr(p, "range", None) or {}).get("step_time_s")
+    return f"{p.step_time_s:.4g}" + (f" ({spread[0]:.3g}-{spread[1]:.3g})" if spread else "")
+
+
 def _print_plan(result: Any) -> None:
     from ddlscope.predict import ParallelSpec
 
@@ -587,7 +593,7 @@ def _print_plan(result: Any) -> None:
         p, q = r.prediction, r.prediction.parallel
         label = f"{q['strategy']} DP{q['dp']} mb{q['micro_batch']}" if "strategy" in q else ParallelSpec(**q).label()
         table.add_row(str(r.rank), label, str(q["tp"] * q.get("cp", 1) * q["pp"] * q["dp"]),
-                      f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
+                      _with_range(p), f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)
     for r in result.rows:
