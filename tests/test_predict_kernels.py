@@ -26,7 +26,7 @@ def test_range_holds_the_prediction_and_spans_the_gemm_sources():
     assert p.range["mfu"][0] < p.mfu < p.range["mfu"][1]
 
 
-def test_every_nvidia_device_has_sms_and_ranges_holding_the_central_value():
+def test_every_device_has_sms_and_ranges_holding_the_central_value():
     for key, dev in load_catalogue().devices.items():
         e = dev.efficiency
         assert e.sms > 0, key
@@ -231,3 +231,11 @@ def test_predict_and_plan_take_experts_and_context_parallel_from_the_command_lin
     for row in plan["top"]:
         q = row["parallel"]
         assert q["tp"] * q["cp"] * q["pp"] * q["dp"] == 16
+
+
+def test_context_parallel_of_three_prices_a_third_of_the_tokens_exactly():
+    model = ModelSpec(hidden=1024, heads=8, layers=4, seq=6144, vocab=32000, global_batch=6)
+    cluster = parse_cluster("a100-80gb:1x6")
+    cp3, _ = _one(model, cluster, cp=3, dp=2, micro_batch=3)
+    cp1, _ = _one(model, cluster, cp=1, dp=6, micro_batch=1)
+    assert float(cp3["compute_s"][0]) == pytest.approx(float(cp1["compute_s"][0]), rel=1e-12)

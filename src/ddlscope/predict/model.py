@@ -140,9 +140,6 @@ class _Shape:
                    c=cp, e=ep, bt=b / cp)
 
 
-_CP_SCALE = 1024  # b / cp as an integer key for `_per_distinct` (cp is at most the GPU count, a power of 2 here)
-
-
 def _per_distinct(fn, *keys):
     """`fn(*keys)` evaluated once per distinct combination of the key arrays, spread back to every element.
 
@@ -182,8 +179,7 @@ def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float):
     """(forward, backward, recomputed, attention core f/b, embedding f/b, logits f/b) seconds, one micro-batch, one GPU,
     no communication; a layer's recomputation re-runs its forward (full) or its attention core (selective)."""
     forward, backward, attn_f, attn_b, emb_f, emb_b, out_f, out_b = _per_distinct(
-        lambda b, t, sp, ep: _kernel_times_s(model, cluster, b / _CP_SCALE, t, sp, ep, peak),
-        np.round(x.bt * _CP_SCALE), x.t, x.sp, x.e)
+        lambda b, cp, t, sp, ep: _kernel_times_s(model, cluster, b / cp, t, sp, ep, peak), x.b, x.c, x.t, x.sp, x.e)
     recomputed = np.where(x.recompute == 2, forward, np.where(x.recompute == 1, attn_f, 0.0))
     return forward, backward, recomputed, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b)
 
