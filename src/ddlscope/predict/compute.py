@@ -106,7 +106,7 @@ def hardware_flops_per_iteration(model: ModelSpec, recompute_code, batch=None):
     return model_flops_per_iteration(model, b) + extra
 
 
-# ---------------------------------------------------------------------------- efficiency curve
+# ---------------------------------------------------------------------------- GEMM efficiency
 def dimension_saturation(x, half_dim: float):
     x = np.asarray(x, dtype=float)
     return x / (x + half_dim)
@@ -174,8 +174,8 @@ def gemm_quantisation(m, n, device: Device, batch=1.0, k=None):
 def gemm_efficiency(m, n, k, device: Device, batch=1.0):
     """Achieved fraction of peak for the tensor-core work of `batch` (m x k) @ (k x n) GEMMs.
 
-    Only the output dimensions pay tile/wave quantisation; a short reduction
-    dimension k shows up instead as low arithmetic intensity (see `gemm_s`).
+    The output dimensions pay tile/wave quantisation; k only lets a GEMM with idle SMs split
+    (split-K), and a short k shows up instead as low arithmetic intensity (see `gemm_s`).
     """
     e = device.efficiency
     return e.gemm_kernel_fraction * e.sustained_fraction * gemm_quantisation(m, n, device, batch, k)
