@@ -26,8 +26,8 @@ def advise_command(
                                                    "(local:1xN: this machine as calibrated); workers = its GPUs.")] = None,
     stragglers: Annotated[float, typer.Option("--stragglers", help="One worker this many times slower (1 = none).")] = 1.0,
     sustained_fraction: Annotated[Optional[float], typer.Option(
-        "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (see "
-                                     "`ddlscope predict --measured-step-s`).")] = None,
+        "--sustained-fraction", help="Scale the published kernel rates by what your stack sustains (catalogue: "
+                                     "1; see `ddlscope predict --measured-step-s`).")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="A CNN priced from its layer list instead of the workload: resnet50, vgg16, densenet121 "

@@ -58,14 +58,16 @@ from ddlscope.specs import ConfigError
 from ddlscope.store import Store
 
 MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden",
-              "kv_heads", "gated_mlp", "image_size", "classes", "optimizer")
-PARALLEL_KEYS = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
+              "kv_heads", "gated_mlp", "image_size", "classes", "optimizer", "experts", "top_k", "capacity_factor",
+              "expert_imbalance")
+PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
                  "overlap_grad_reduce", "bucket_mb", "strategy")
 TOP_KEYS = ("cluster", "spot", "sustained_fraction", "model", "parallel")
 CNN_MODELS = ("resnet50", "vgg16", "densenet121")  # = ddlscope.predict.cnn.CNN_MODELS (not imported at startup)
 MODELS = ("gpt", *CNN_MODELS)
 CNN_ONLY_MODEL_KEYS = ("image_size", "classes", "optimizer")
-GPT_ONLY_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "attention", "ffn_hidden", "kv_heads", "gated_mlp")
+GPT_ONLY_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "attention", "ffn_hidden", "kv_heads", "gated_mlp",
+                       "experts", "top_k", "capacity_factor", "expert_imbalance")
 REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(
@@ -89,6 +91,13 @@ DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or 
 FfnOpt = Annotated[Optional[int], typer.Option("--ffn-hidden", help="MLP width (default 4 x hidden).")]
 KvHeadsOpt = Annotated[Optional[int], typer.Option("--kv-heads", help="Key/value heads (grouped-query attention).")]
 GatedOpt = Annotated[Optional[bool], typer.Option("--gated-mlp/--plain-mlp", help="SwiGLU MLP (Llama) or GeLU (GPT).")]
+ExpertsOpt = Annotated[Optional[int], typer.Option(
+    "--experts", help="Mixture of experts: experts per layer (0: a dense MLP).")]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="MoE: experts each token is routed to (default 2).")]
+CapacityOpt = Annotated[Optional[float], typer.Option(
+    "--capacity-factor", help="MoE: expert buffers padded to this x the mean load (0, default: dropless).")]
+ImbalanceOpt = Annotated[Optional[float], typer.Option(
+    "--expert-imbalance", help="MoE, dropless: tokens of the busiest expert / the mean (default 1).")]
 SpotOpt = Annotated[Optional[bool], typer.Option("--spot/--on-demand", help="Price with spot rates.")]
 CALIBRATION_DEFAULT = "(default: the newest in the store, else ./ddlscope-calibration.toml)."
 PredictCalibrationOpt = Annotated[Optional[Path], typer.Option(
@@ -99,8 +108,8 @@ PlanCalibrationOpt = Annotated[Optional[Path], typer.Option(
 PredictDbOpt = Annotated[Path, db_option("The store (for --against, and calibrations).")]
 PlanDbOpt = Annotated[Path, db_option("The store (for calibrations).")]
 SustainedOpt = Annotated[Optional[float], typer.Option(
-    "--sustained-fraction", help="Your software stack's constant instead of the catalogue's (what the tensor "
-                                 "cores keep in a training job; fit it with predict --measured-step-s).")]
+    "--sustained-fraction", help="Scale the published kernel rates by what your stack sustains (catalogue: 1, "
+                                 "nothing derated; fit it with predict --measured-step-s).")]
 
 
 # ---------------------------------------------------------------------------- predict
@@ -116,6 +125,8 @@ def predict_command(
     global_batch: GlobalBatchOpt = None,
     micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="Sequences per micro-batch.")] = None,
     tp: Annotated[Optional[int], typer.Option("--tp", help="Tensor-parallel size.")] = None,
+    cp: Annotated[Optional[int], typer.Option("--cp", help="Context-parallel size (ring attention; flash only).")] = None,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="Expert-parallel size (divides experts and dp x cp).")] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="Pipeline stages.")] = None,
     dp: Annotated[Optional[int], typer.Option("--dp", help="Data-parallel size (default GPUs / (tp x pp)).")] = None,
     recompute: Annotated[Optional[str], typer.Option("--recompute", help="none, selective or full.")] = None,
@@ -129,6 +140,10 @@ def predict_command(
     ffn_hidden: FfnOpt = None,
     kv_heads: KvHeadsOpt = None,
     gated_mlp: GatedOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
+    capacity_factor: CapacityOpt = None,
+    expert_imbalance: ImbalanceOpt = None,
     image_size: ImageSizeOpt = None,
     classes: ClassesOpt = None,
     strategy: Annotated[Optional[str], typer.Option(
@@ -154,8 +169,9 @@ def predict_command(
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
                         layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
                         dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
-                        image_size=image_size, classes=classes)
-    parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, pp=pp, dp=dp,
+                        image_size=image_size, classes=classes, experts=experts, top_k=top_k,
+                        capacity_factor=capacity_factor, expert_imbalance=expert_imbalance)
+    parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, cp=cp, ep=ep, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
                            sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule,
                            strategy=strategy)
@@ -214,6 +230,10 @@ def plan_command(
     ffn_hidden: FfnOpt = None,
     kv_heads: KvHeadsOpt = None,
     gated_mlp: GatedOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
+    capacity_factor: CapacityOpt = None,
+    expert_imbalance: ImbalanceOpt = None,
     image_size: ImageSizeOpt = None,
     classes: ClassesOpt = None,
     by: Annotated[str, typer.Option("--by", help="Rank by step time or by cost per step.")] = "time",
@@ -232,7 +252,8 @@ def plan_command(
     model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
                         layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
                         dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
-                        image_size=image_size, classes=classes)
+                        image_size=image_size, classes=classes, experts=experts, top_k=top_k,
+                        capacity_factor=capacity_factor, expert_imbalance=expert_imbalance)
     _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS)  # checked, then searched over
     if by not in ("time", "cost"):
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
@@ -411,9 +432,14 @@ def _model_spec(raw: dict[str, Any]):
     for key in REQUIRED_MODEL_KEYS:
         _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
     kwargs = {k: raw[k] for k in MODEL_KEYS if k in raw}
-    for key in (*REQUIRED_MODEL_KEYS, "ffn_hidden", "kv_heads"):
+    for key in (*REQUIRED_MODEL_KEYS, "ffn_hidden", "kv_heads", "experts", "top_k"):
         if key in kwargs:
-            kwargs[key] = _int(kwargs[key], f"model.{key}", minimum=0 if key in ("ffn_hidden", "kv_heads") else 1)
+            kwargs[key] = _int(kwargs[key], f"model.{key}",
+                               minimum=0 if key in ("ffn_hidden", "kv_heads", "experts") else 1)
+    for key in ("capacity_factor", "expert_imbalance"):
+        if key in kwargs and (isinstance(kwargs[key], bool) or not isinstance(kwargs[key], (int, float))
+                              or kwargs[key] != kwargs[key]):
+            raise ConfigError(f"model.{key} = {kwargs[key]!r}: must be a number")
     if "gated_mlp" in kwargs and not isinstance(kwargs["gated_mlp"], bool):
         raise ConfigError(f"model.gated_mlp = {kwargs['gated_mlp']!r}: must be true or false")
     attention = kwargs.get("attention", "flash")
@@ -430,7 +456,7 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
     from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES
 
     kwargs = {k: raw[k] for k in PARALLEL_KEYS if k in raw and k != "strategy"}
-    for key in ("tp", "pp", "dp", "micro_batch", "interleave"):
+    for key in ("tp", "cp", "pp", "dp", "ep", "micro_batch", "interleave"):
         if key in kwargs:
             kwargs[key] = _int(kwargs[key], f"--{key.replace('_', '-')}", minimum=1)
     if "zero" in kwargs:
@@ -447,10 +473,11 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
         if key in kwargs and not isinstance(kwargs[key], bool):
             raise ConfigError(f"parallel.{key} = {kwargs[key]!r}: must be true or false")
     if "dp" not in kwargs:
-        tp, pp = kwargs.get("tp", 1), kwargs.get("pp", 1)
-        if n_gpus % (tp * pp):
-            raise ConfigError(f"tp x pp = {tp} x {pp} = {tp * pp}: must divide the cluster's {n_gpus} GPUs")
-        kwargs["dp"] = n_gpus // (tp * pp)
+        tp, pp, cp = kwargs.get("tp", 1), kwargs.get("pp", 1), kwargs.get("cp", 1)
+        if n_gpus % (tp * pp * cp):
+            sizes = f"tp x pp = {tp} x {pp}" if cp == 1 else f"tp x cp x pp = {tp} x {cp} x {pp}"
+            raise ConfigError(f"{sizes} = {tp * pp * cp}: must divide the cluster's {n_gpus} GPUs")
+        kwargs["dp"] = n_gpus // (tp * pp * cp)
     known = {f.name for f in fields(ParallelSpec)}
     return ParallelSpec(**{k: v for k, v in kwargs.items() if k in known})
 
@@ -538,7 +565,10 @@ def prediction_table(result: dict[str, Any]) -> Table:
 def _print_prediction(p: Any, label: str, spot: bool) -> None:
     console.print(f"[bold]{escape(str(p.cluster))}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
     head = Table(show_header=False, box=None, pad_edge=False)
-    head.add_row("step time", f"{p.step_time_s:.4g} s")
+    spread = getattr(p, "range", None) or {}
+    head.add_row("step time", f"{p.step_time_s:.4g} s" + (
+        f"  (range {spread['step_time_s'][0]:.4g}-{spread['step_time_s'][1]:.4g} s: the kernel sources' spread)"
+        if "step_time_s" in spread else ""))
     if hasattr(p, "images_per_s_per_gpu"):  # a CNN
         head.add_row("model", f"{p.model['name']} at {p.model['image_size']}x{p.model['image_size']}: "
                      f"{p.parameters:,} parameters, {p.forward_gmacs_per_sample:.3g} GMACs forward per image, "
@@ -570,6 +600,12 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
             console.print(f"[yellow]note:[/yellow] {escape(note)}")
 
 
+def _with_range(p: Any) -> str:
+    """The step time, and its range (the kernel sources' spread) where the prediction has one."""
+    spread = (getattr(p, "range", None) or {}).get("step_time_s")
+    return f"{p.step_time_s:.4g}" + (f" ({spread[0]:.3g}-{spread[1]:.3g})" if spread else "")
+
+
 def _print_plan(result: Any) -> None:
     from ddlscope.predict import ParallelSpec
 
@@ -585,8 +621,8 @@ def _print_plan(result: Any) -> None:
     for r in result.rows:
         p, q = r.prediction, r.prediction.parallel
         label = f"{q['strategy']} DP{q['dp']} mb{q['micro_batch']}" if "strategy" in q else ParallelSpec(**q).label()
-        table.add_row(str(r.rank), label, str(q["tp"] * q["pp"] * q["dp"]),
-                      f"{p.step_time_s:.4g}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
+        table.add_row(str(r.rank), label, str(q["tp"] * q.get("cp", 1) * q["pp"] * q["dp"]),
+                      _with_range(p), f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)
     for r in result.rows:

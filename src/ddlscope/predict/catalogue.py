@@ -41,6 +41,21 @@ class Efficiency:
     flash_attention_fraction: float
     memory_fraction: float
     kernel_overhead_s: float
+    # tile/wave quantisation (0 SMs: a calibrated CPU, the smooth half-dimension curve instead)
+    sms: int = 0
+    l2_bytes_per_s: float = 0.0
+    # (low, high) of each measured fraction over its published sources: the prediction's range
+    gemm_kernel_fraction_range: tuple[float, float] | None = None
+    flash_attention_fraction_range: tuple[float, float] | None = None
+    memory_fraction_range: tuple[float, float] | None = None
+
+    def bound(self, side: str) -> "Efficiency":
+        """The fractions at the `low` or `high` end of their sources' spread (the others unchanged)."""
+        index = {"low": 0, "high": 1}[side]
+        changes = {name: getattr(self, f"{name}_range")[index]
+                   for name in ("gemm_kernel_fraction", "flash_attention_fraction", "memory_fraction")
+                   if getattr(self, f"{name}_range") is not None}
+        return replace(self, **changes)
 
     @property
     def max_sustained_fraction(self) -> float:
@@ -76,6 +91,7 @@ class Link:
     bandwidth_bytes_per_s: float  # per direction, per GPU (intra) or per NIC (inter)
     alpha_s: float  # latency of one collective step
     efficiency: float  # achieved bus bandwidth / peak
+    nccl: bool = True  # NCCL's protocols and latencies (collectives.py); False: plain alpha-beta (gloo)
 
     @property
     def achieved_bytes_per_s(self) -> float:
@@ -129,6 +145,10 @@ class Cluster:
         check_sustained_fraction(value, self.device)
         eff = self.device.efficiency
         return replace(self, device=replace(self.device, efficiency=replace(eff, sustained_fraction=value)))
+
+    def at_bound(self, side: str) -> "Cluster":
+        """The same cluster with every measured efficiency at the `low` or `high` end of its sources."""
+        return replace(self, device=replace(self.device, efficiency=self.device.efficiency.bound(side)))
 
 
 def check_sustained_fraction(value: float, device: Device) -> None:
@@ -188,9 +208,25 @@ def _device(key: str, d: dict[str, Any]) -> Device:
             flash_attention_fraction=eff["flash_attention_fraction"],
             memory_fraction=eff["memory_fraction"],
             kernel_overhead_s=eff["kernel_overhead_us"] * 1e-6,
+            sms=int(eff.get("sms", 0)),
+            l2_bytes_per_s=float(eff.get("l2_tb_per_s", 0.0)) * 1e12,
+            gemm_kernel_fraction_range=_range(eff, "gemm_kernel_fraction"),
+            flash_attention_fraction_range=_range(eff, "flash_attention_fraction"),
+            memory_fraction_range=_range(eff, "memory_fraction"),
         ),
         framework_overhead_bytes=eff["framework_overhead_gib"] * GIB,
     )
+
+
+def _range(eff: dict[str, Any], name: str) -> tuple[float, float] | None:
+    """`NAME_range = [low, high]` from the catalogue, checked to hold the central value."""
+    raw = eff.get(f"{name}_range")
+    if raw is None:
+        return None
+    low, high = (float(x) for x in raw)
+    if not low <= eff[name] <= high:
+        raise CatalogueError(f"{name}_range = {raw}: must hold {name} = {eff[name]}")
+    return low, high
 
 
 def _link(key: str, d: dict[str, Any]) -> Link:
@@ -311,4 +347,4 @@ def _loopback_link(profile: CalibrationProfile, ranks: int) -> Link:
     steps = 2 * (world - 1)
     return Link(key="gloo-loopback", description=f"gloo on loopback (calibrated at {world} ranks)",
                 bandwidth_bytes_per_s=float(required(fit.beta_bytes_per_s, "beta_bytes_per_s")) * steps / world,
-                alpha_s=float(required(fit.alpha_s, "alpha_s")) / steps, efficiency=1.0)
+                alpha_s=float(required(fit.alpha_s, "alpha_s")) / steps, efficiency=1.0, nccl=False)

@@ -11,10 +11,19 @@ kind talks at the same time in data/tensor/pipeline parallelism, so a node's
 NICs are split among them), and a ring never runs faster than its slowest hop
 (NCCL pipelines the intra- and inter-node hops, so the bus bandwidth is the
 minimum of the two, as nccl-tests measure).
+
+Latency follows NCCL's own cost model (src/graph/tuning.cc): each collective
+pays a base latency and a per-hop latency that depend on the protocol, and
+each protocol uses a share of the link's bandwidth; NCCL picks the fastest
+protocol for the message size, and so does `nccl_time_s`. That gives the
+nccl-tests bus bandwidth curve: latency-bound (LL) for small messages,
+bandwidth-bound (Simple) for large ones, with a floor of several
+microseconds per collective however small the message.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -27,6 +36,46 @@ Algorithm = Literal["auto", "ring", "tree", "hierarchical"]
 # nccl-tests put it ~10% lower for large messages, which is why NCCL keeps
 # the ring for them and the tree (log-depth latency) for small ones at scale.
 TREE_BANDWIDTH_PENALTY = 1.1
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    base_s: float  # per collective
+    hop_factor: float  # per-hop latency relative to the Simple protocol's (the catalogue's link alpha)
+    bandwidth_fraction: float  # share of the bus bandwidth the protocol can use
+
+
+# NCCL 2.x tuning model (src/graph/tuning.cc): ring base latencies LL 6.6 us, LL128 14 us, Simple
+# 8.4 us; NVLink hop latencies LL 0.6, LL128 1.9, Simple 3.4 us (hence the factors); LL carries 8 data
+# bytes per 16 (flags), LL128 120 per 128 (the tuner takes ~0.92), Simple the whole link.
+NCCL_PROTOCOLS = (Protocol("LL", 6.6e-6, 0.6 / 3.4, 0.5), Protocol("LL128", 14.0e-6, 1.9 / 3.4, 0.92),
+                  Protocol("Simple", 8.4e-6, 1.0, 1.0))
+PLAIN = (Protocol("alpha-beta", 0.0, 1.0, 1.0),)  # a link that is not NCCL's (gloo on loopback)
+
+
+def nccl_time_s(hops_latency_s, transfer_s, node: NodeShape) -> np.ndarray:
+    """The fastest protocol's time: base + the hops' latency + transfer at the protocol's share of bandwidth.
+
+    `hops_latency_s`: the sum of the hops' Simple-protocol latencies; `transfer_s`: the bytes on the
+    busiest link over its full achieved bandwidth.
+    """
+    protocols = NCCL_PROTOCOLS if node.intra.nccl else PLAIN
+    hops_latency_s, transfer_s = np.asarray(hops_latency_s, dtype=float), np.asarray(transfer_s, dtype=float)
+    best = None
+    for p in protocols:
+        t = p.base_s + hops_latency_s * p.hop_factor + transfer_s * (1.0 / p.bandwidth_fraction)
+        best = t if best is None else np.minimum(best, t)
+    return best
+
+
+def ring_hops_latency_s(rounds, n, per_node, node: NodeShape) -> np.ndarray:
+    """Latency of `rounds` trips around a ring of n: of each trip's n - 1 hops, nodes - 1 cross a node
+    boundary (NIC latency), the rest stay on the node link (NCCL's tuner counts them the same way)."""
+    n, per_node = np.asarray(n, dtype=float), np.asarray(per_node, dtype=float)
+    nodes = np.ceil(n / np.minimum(per_node, n))
+    inter_hops = nodes - 1
+    return rounds * ((n - 1 - inter_hops) * node.intra.alpha_s + inter_hops * node.inter.alpha_s)
 
 
 def group_members_per_node(size: np.ndarray | int, stride: np.ndarray | int, gpus_per_node: int) -> np.ndarray:
@@ -44,16 +93,12 @@ def ring_bandwidth_bytes_per_s(n, per_node, node: NodeShape) -> np.ndarray:
     return np.where(spans_nodes, np.minimum(node.intra.achieved_bytes_per_s, inter), node.intra.achieved_bytes_per_s)
 
 
-def step_latency_s(n, per_node, node: NodeShape) -> np.ndarray:
-    spans_nodes = np.asarray(n, dtype=float) > np.asarray(per_node, dtype=float)
-    return np.where(spans_nodes, node.inter.alpha_s, node.intra.alpha_s)
-
-
 def ring_all_reduce_s(size_bytes, n, per_node, node: NodeShape) -> np.ndarray:
     """Reduce-scatter then all-gather around a ring: 2(n-1) steps of size/n each."""
     n = np.asarray(n, dtype=float)
     bw = ring_bandwidth_bytes_per_s(n, per_node, node)
-    t = 2 * (n - 1) / n * np.asarray(size_bytes, dtype=float) / bw + 2 * (n - 1) * step_latency_s(n, per_node, node)
+    t = nccl_time_s(ring_hops_latency_s(2, n, per_node, node),
+                    2 * (n - 1) / n * np.asarray(size_bytes, dtype=float) / bw, node)
     return np.where(n > 1, t, 0.0)
 
 
@@ -61,9 +106,11 @@ def tree_all_reduce_s(size_bytes, n, per_node, node: NodeShape) -> np.ndarray:
     """Pipelined (double) binary tree: 2 log2(n) latencies, each byte up and down once."""
     n = np.asarray(n, dtype=float)
     bw = ring_bandwidth_bytes_per_s(n, per_node, node)
-    depth = np.ceil(np.log2(np.maximum(n, 1.0)))
-    t = (2 * depth * step_latency_s(n, per_node, node)
-         + TREE_BANDWIDTH_PENALTY * 2 * np.asarray(size_bytes, dtype=float) / bw)
+    local = np.minimum(np.asarray(per_node, dtype=float), n)
+    inter_depth = np.ceil(np.log2(np.ceil(n / local)))
+    intra_depth = np.ceil(np.log2(local))
+    t = nccl_time_s(2 * (inter_depth * node.inter.alpha_s + intra_depth * node.intra.alpha_s),
+                    TREE_BANDWIDTH_PENALTY * 2 * np.asarray(size_bytes, dtype=float) / bw, node)
     return np.where(n > 1, t, 0.0)
 
 
@@ -74,10 +121,12 @@ def hierarchical_all_reduce_s(size_bytes, n, per_node, node: NodeShape) -> np.nd
     local = np.minimum(per_node, n)
     nodes = np.ceil(n / local)
     intra_bw = node.intra.achieved_bytes_per_s
-    intra = 2 * (local - 1) / local * size_bytes / intra_bw + 2 * (local - 1) * node.intra.alpha_s
+    intra = np.where(local > 1, nccl_time_s(2 * (local - 1) * node.intra.alpha_s,
+                                            2 * (local - 1) / local * size_bytes / intra_bw, node), 0.0)
     rail_bytes = size_bytes / local
-    inter = (2 * (nodes - 1) / nodes * rail_bytes / node.inter_bytes_per_s_per_gpu
-             + 2 * (nodes - 1) * node.inter.alpha_s)
+    inter = np.where(nodes > 1, nccl_time_s(2 * (nodes - 1) * node.inter.alpha_s,
+                                            2 * (nodes - 1) / nodes * rail_bytes / node.inter_bytes_per_s_per_gpu,
+                                            node), 0.0)
     return np.where(n > 1, intra + inter, 0.0)
 
 
@@ -97,7 +146,8 @@ def reduce_scatter_s(size_bytes, n, per_node, node: NodeShape) -> np.ndarray:
     """Ring reduce-scatter of a `size_bytes` buffer: each rank ends with size/n, reduced."""
     n = np.asarray(n, dtype=float)
     bw = ring_bandwidth_bytes_per_s(n, per_node, node)
-    t = (n - 1) / n * np.asarray(size_bytes, dtype=float) / bw + (n - 1) * step_latency_s(n, per_node, node)
+    t = nccl_time_s(ring_hops_latency_s(1, n, per_node, node), (n - 1) / n * np.asarray(size_bytes, dtype=float) / bw,
+                    node)
     return np.where(n > 1, t, 0.0)
 
 
@@ -113,7 +163,8 @@ def all_to_all_s(size_bytes, n, per_node, node: NodeShape) -> np.ndarray:
     local = np.minimum(per_node, n)
     off_node = size_bytes * (n - local) / n / node.inter_bytes_per_s_per_gpu
     on_node = size_bytes * (local - 1) / n / node.intra.achieved_bytes_per_s
-    t = np.maximum(off_node, on_node) + (n - 1) * step_latency_s(n, per_node, node)
+    hops = (local - 1) * node.intra.alpha_s + (n - local) * node.inter.alpha_s  # one message to every other rank
+    t = nccl_time_s(hops, np.maximum(off_node, on_node), node)
     return np.where(n > 1, t, 0.0)
 
 
@@ -122,7 +173,7 @@ def p2p_s(size_bytes, across_nodes, node: NodeShape) -> np.ndarray:
     across_nodes = np.asarray(across_nodes, dtype=bool)
     bw = np.where(across_nodes, node.inter_bytes_per_s_per_gpu, node.intra.achieved_bytes_per_s)
     alpha = np.where(across_nodes, node.inter.alpha_s, node.intra.alpha_s)
-    return alpha + np.asarray(size_bytes, dtype=float) / bw
+    return nccl_time_s(alpha, np.asarray(size_bytes, dtype=float) / bw, node)
 
 
 def ps_push_s(size_bytes, workers, servers, server_bytes_per_s, server_aggregate_bytes_per_s,

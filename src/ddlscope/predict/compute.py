@@ -1,17 +1,29 @@
-"""Compute model: FLOPs (closed form) and the time one GPU takes for them.
+"""Compute model: FLOPs (closed form) and the time one GPU takes for them, kernel by kernel.
 
-Time = sum over a layer's operations of
-    GEMM FLOPs / (peak x efficiency(M, N, K))        tensor-core work
-  + attention-core time (FlashAttention or unfused batched GEMMs)
-  + bytes moved by element-wise ops / achieved memory bandwidth
+Time = sum over a layer's kernels of
+    GEMMs            2 M N K / (peak x gemm_kernel_fraction x quantisation(M, N, batch)),
+                     or the time to move their operands once if that is longer (a roofline)
+  + attention core   FlashAttention at its own measured rate, or unfused as batched GEMMs plus
+                     the softmax / dropout passes over the s x s scores
+  + element-wise     bytes moved / (datasheet HBM bandwidth x STREAM-measured fraction)
   + kernels x per-kernel launch gap
-where a GEMM takes the longer of its tensor-core time, FLOPs / (peak x
-kernel_fraction x sustained_fraction x sat(M) sat(N)), and the time to move
-its operands once (a roofline), with sat(x) = x / (x + half_dim): an output
-dimension much larger than the tensor-core tile costs nothing, one tile wide
-costs half (tile padding and the last, partly filled wave of thread blocks). The constants are per device, in
-catalogue.toml, with their sources. Everything here is element-wise over
-numpy arrays.
+
+`quantisation` is the GEMM's tile and wave quantisation on the device's SMs
+(NVIDIA, "Matrix Multiplication Background User's Guide": the output is cut
+into tiles, one thread block per tile, and the blocks run in waves of one per
+SM, so a last, partly filled wave and the padding of edge tiles cost their
+full time). The kernel library picks the tile shape that does best, as
+cuBLAS's heuristics do; a smaller tile fills waves better but reads more
+bytes per FLOP from L2, so its rate is capped by the L2 bandwidth
+(datasheet). `gemm_kernel_fraction` is the rate of the best-shaped large
+GEMM measured in isolation (published matmul benchmarks, catalogue.toml).
+A device without an SM count (a calibrated CPU, `local`) keeps the smooth
+curve sat(M) sat(N), sat(x) = x / (x + half_dim).
+
+No constant here or in catalogue.toml is fitted to a training run; each says
+its source. `sustained_fraction` (1 in the catalogue) is the user's knob for
+a stack they measured (`predict --measured-step-s`). Everything is element-wise
+over numpy arrays.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO = 4
 UNFUSED_SCORE_BYTES_FORWARD = 9
 UNFUSED_SCORE_BYTES_BACKWARD = 11
 BACKWARD_TRAFFIC_RATIO = 2.0
+# An MoE layer gathers each routed token's hidden vector into its expert's buffer and scatters the
+# result back: a read and a write of 2 bytes each, twice, per routed token-hidden element.
+MOE_PERMUTE_BYTES = 8
 # FlashAttention-2's backward does 2.5x the forward's matmul work (it
 # recomputes the scores); causal masking lets it skip half the blocks.
 FLASH_BACKWARD_FLOPS_RATIO = 2.5
@@ -91,21 +106,79 @@ def hardware_flops_per_iteration(model: ModelSpec, recompute_code, batch=None):
     return model_flops_per_iteration(model, b) + extra
 
 
-# ---------------------------------------------------------------------------- efficiency curve
+# ---------------------------------------------------------------------------- GEMM efficiency
 def dimension_saturation(x, half_dim: float):
     x = np.asarray(x, dtype=float)
     return x / (x + half_dim)
 
 
-def gemm_efficiency(m, n, k, device: Device):
-    """Achieved fraction of peak for the tensor-core work of an (m x k) @ (k x n) GEMM in a training job.
+# Thread-block tiles (rows x columns of the output) the GEMM library chooses among: CUTLASS/cuBLAS
+# tensor-core kernels for 16-bit inputs on Ampere and Hopper (NVIDIA's matmul guide uses 256x128 as the
+# large tile; 128x128, 128x64 and 64x64 are the smaller ones it falls back to for small outputs).
+GEMM_TILES: tuple[tuple[int, int], ...] = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+LARGEST_TILE = GEMM_TILES[0]
 
-    Only the output dimensions pay tile/wave quantization; a short reduction
-    dimension k shows up instead as low arithmetic intensity (see `gemm_s`).
+
+def tile_rate_fraction(tile_m: int, tile_n: int, device: Device, bytes_per_element: float = 2.0) -> float:
+    """Rate of a tile shape relative to the largest tile's, as the L2 bandwidth caps it.
+
+    Each k-step a block reads (tile_m + tile_n) k elements and does 2 tile_m tile_n k FLOPs, so it needs
+    peak / L2 bandwidth FLOPs per byte to keep the tensor cores busy; a tile with less runs at the L2's pace.
     """
     e = device.efficiency
-    d = e.gemm_half_dim
-    return e.gemm_kernel_fraction * e.sustained_fraction * dimension_saturation(m, d) * dimension_saturation(n, d)
+    if e.l2_bytes_per_s <= 0:
+        return 1.0
+    needed = max(device.peak_flops.values()) / e.l2_bytes_per_s  # the 16-bit tensor peak, the most demanding
+
+    def rate(tm: int, tn: int) -> float:
+        return min(1.0, 2.0 * tm * tn / ((tm + tn) * bytes_per_element) / needed)
+
+    return rate(tile_m, tile_n) / rate(*LARGEST_TILE)
+
+
+# Split-K: a GEMM with fewer output tiles than SMs and a long reduction dimension splits K over
+# several blocks that add their partial sums (cuBLAS / CUTLASS split-K and stream-K kernels); each
+# split keeps at least this many K elements (a few main-loop iterations of 32-64).
+SPLIT_K_MIN_K = 256
+
+
+def wave_quantisation(m, n, batch, sms: int, tile_m: int, tile_n: int, k=None):
+    """Useful share of the thread-block slots a GEMM occupies: tile padding x the partial last wave.
+
+    `batch` independent GEMMs (a batched GEMM) share the waves. One block per SM at a time. Given
+    `k`, a GEMM whose tiles leave SMs idle splits K into as many parts as fill them (split-K).
+    """
+    m, n, batch = (np.asarray(x, dtype=float) for x in (m, n, batch))
+    tiles = np.ceil(m / tile_m) * np.ceil(n / tile_n) * batch
+    splits = 1.0 if k is None else np.clip(np.minimum(np.floor(sms / tiles),
+                                                      np.floor(np.asarray(k, dtype=float) / SPLIT_K_MIN_K)), 1.0, None)
+    blocks = tiles * splits
+    waves = np.ceil(blocks / sms)
+    padding = (m * n * batch) / np.maximum(tiles * tile_m * tile_n, 1.0)
+    return padding * blocks / np.maximum(waves * sms, 1.0)
+
+
+def gemm_quantisation(m, n, device: Device, batch=1.0, k=None):
+    """Best fraction of the large-GEMM rate over the tiles the library can choose (cuBLAS's heuristic)."""
+    e = device.efficiency
+    if e.sms <= 0:
+        d = e.gemm_half_dim
+        return dimension_saturation(m, d) * dimension_saturation(n, d)
+    best = None
+    for tm, tn in GEMM_TILES:
+        value = wave_quantisation(m, n, batch, e.sms, tm, tn, k) * tile_rate_fraction(tm, tn, device)
+        best = value if best is None else np.maximum(best, value)
+    return best
+
+
+def gemm_efficiency(m, n, k, device: Device, batch=1.0):
+    """Achieved fraction of peak for the tensor-core work of `batch` (m x k) @ (k x n) GEMMs.
+
+    The output dimensions pay tile/wave quantisation; k only lets a GEMM with idle SMs split
+    (split-K), and a short k shows up instead as low arithmetic intensity (see `gemm_s`).
+    """
+    e = device.efficiency
+    return e.gemm_kernel_fraction * e.sustained_fraction * gemm_quantisation(m, n, device, batch, k)
 
 
 def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_element: float = 2.0,
@@ -120,7 +193,11 @@ def gemm_s(m, n, k, device: Device, peak_flops: float, batch=1.0, bytes_per_elem
     flops = 2.0 * batch * m * n * k
     if operand_bytes is None:
         operand_bytes = bytes_per_element * batch * (m * k + k * n + m * n)
-    return np.maximum(flops / (peak_flops * gemm_efficiency(m, n, k, device)), memory_bound_s(operand_bytes, device))
+    # No kernel finishes sooner than its launch takes (the launch latency is the catalogue's per-kernel
+    # overhead): a small model's GEMMs are launch-bound, as on a real GPU.
+    return np.maximum.reduce([flops / (peak_flops * gemm_efficiency(m, n, k, device, batch)),
+                              memory_bound_s(operand_bytes, device),
+                              np.full_like(flops, device.efficiency.kernel_overhead_s)])
 
 
 def linear_forward_s(tokens, n_out, k_in, device: Device, peak_flops: float):
@@ -138,19 +215,34 @@ def memory_bound_s(bytes_moved, device: Device):
 
 
 # ---------------------------------------------------------------------------- one transformer layer
-def layer_gemm_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
-    """(forward, backward) seconds of the four weight GEMMs of one layer on one tensor-parallel rank."""
+def layer_gemm_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float, ep=1.0):
+    """(forward, backward) seconds of the weight GEMMs of one layer on one tensor-parallel rank.
+
+    A mixture-of-experts layer runs its router (tokens x h x experts) and, on each rank, its
+    experts / ep local experts as one grouped GEMM: each expert gets the ep ranks' tokens x top_k /
+    experts on average, x `expert_load` on the busiest rank (capacity padding or imbalance).
+    """
     tokens = np.asarray(micro_batch, dtype=float) * model.seq
-    tp = np.asarray(tp, dtype=float)
+    tp, ep = np.asarray(tp, dtype=float), np.asarray(ep, dtype=float)
     h, f = model.hidden, model.ffn
     up = (model.mlp_matrices - 1) * f  # gate and up projections fused for SwiGLU
-    shapes = ((model.qkv_width / tp, h),  # QKV, column-parallel
-              (h, h / tp),                # attention output projection, row-parallel
-              (up / tp, h),               # MLP up, column-parallel
-              (h, f / tp))                # MLP down, row-parallel
-    forward = sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
-    backward = sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in shapes)
-    return forward, backward
+    attention = ((model.qkv_width / tp, h),  # QKV, column-parallel
+                 (h, h / tp))                # attention output projection, row-parallel
+    mlp = ((up / tp, h),                     # MLP up, column-parallel
+           (h, f / tp))                      # MLP down, row-parallel
+    forward = sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in attention)
+    backward = sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in attention)
+    if not model.is_moe:
+        return (forward + sum(linear_forward_s(tokens, n, k, device, peak_flops) for n, k in mlp),
+                backward + sum(linear_backward_s(tokens, n, k, device, peak_flops) for n, k in mlp))
+    local = model.experts / ep
+    per_expert = tokens * ep * model.top_k / model.experts * model.expert_load
+    router_f = linear_forward_s(tokens, model.experts, h, device, peak_flops)
+    router_b = linear_backward_s(tokens, model.experts, h, device, peak_flops)
+    expert_f = sum(gemm_s(per_expert, n, k, device, peak_flops, local) for n, k in mlp)
+    expert_b = sum(gemm_s(per_expert, k, n, device, peak_flops, local) + gemm_s(k, n, per_expert, device, peak_flops,
+                                                                               local) for n, k in mlp)
+    return forward + router_f + expert_f, backward + router_b + expert_b
 
 
 def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, peak_flops: float):
@@ -188,6 +280,9 @@ def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parall
     # GeLU reads and writes f wide (4 bytes per f/h); SwiGLU reads two and writes one (6)
     per_ratio = ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO + (2 if model.gated_mlp else 0)
     mlp = per_ratio * (model.ffn / model.hidden) * elements / tp
+    if model.is_moe:  # activations of top_k x load copies of each token; permute in and out (read + write each)
+        routed = model.top_k * model.expert_load
+        mlp = mlp * routed + MOE_PERMUTE_BYTES * routed * elements
     forward_bytes = replicated + mlp
     return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
 

@@ -52,6 +52,13 @@ class ConfigArrays:
     schedule: np.ndarray
     overlap_grad_reduce: bool = True
     bucket_mb: float = 25.0
+    cp: np.ndarray | None = None  # None: 1 everywhere
+    ep: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        ones = np.ones(len(self.tp), dtype=int)
+        self.cp = ones if self.cp is None else np.asarray(self.cp)
+        self.ep = ones if self.ep is None else np.asarray(self.ep)
 
     @classmethod
     def from_specs(cls, specs: Iterable[ParallelSpec]) -> "ConfigArrays":
@@ -63,7 +70,8 @@ class ConfigArrays:
                    recompute=col(lambda s: RECOMPUTE_CODES[s.recompute]),
                    sequence_parallel=col(lambda s: bool(s.sequence_parallel)),
                    interleave=col(lambda s: s.interleave), schedule=col(lambda s: SCHEDULE_CODES[s.schedule]),
-                   overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb)
+                   overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
+                   cp=col(lambda s: s.cp), ep=col(lambda s: s.ep))
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -82,13 +90,15 @@ class ConfigArrays:
                             micro_batch=int(self.micro_batch[i]), zero=int(self.zero[i]), recompute=recompute,
                             sequence_parallel=bool(self.sequence_parallel[i]), interleave=int(self.interleave[i]),
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
-                            bucket_mb=self.bucket_mb)
+                            bucket_mb=self.bucket_mb, cp=int(self.cp[i]), ep=int(self.ep[i]))
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
     """Configurations Megatron-LM-style training can run (same rules as `validate`)."""
-    t, p, d, b, v = c.tp, c.pp, c.dp, c.micro_batch, c.interleave
-    ok = (t * p * d <= cluster.n_gpus) & (t >= 1) & (p >= 1) & (d >= 1) & (b >= 1) & (v >= 1)
+    t, p, d, b, v, cp, ep = c.tp, c.pp, c.dp, c.micro_batch, c.interleave, c.cp, c.ep
+    ok = (t * cp * p * d <= cluster.n_gpus) & (t >= 1) & (p >= 1) & (d >= 1) & (b >= 1) & (v >= 1)
+    ok &= (cp >= 1) & (ep >= 1) & (model.seq % (2 * cp) == 0) & ((cp == 1) | (model.attention == "flash"))
+    ok &= (ep == 1) | ((model.experts % ep == 0) & ((d * cp) % ep == 0))
     ok &= (model.heads % t == 0) & (model.kv % t == 0) & (model.layers % p == 0)
     ok &= model.global_batch % (d * b) == 0
     ok &= (model.layers % (p * v) == 0)
@@ -116,74 +126,154 @@ class _Shape:
     m: np.ndarray  # micro-batches per step
     layers_per_stage: np.ndarray
     single_stage: np.ndarray
+    c: np.ndarray  # context-parallel size
+    e: np.ndarray  # expert-parallel size
+    bt: np.ndarray  # micro-batch x seq / cp: the sequences' worth of tokens one rank holds (b / cp)
 
     @classmethod
     def of(cls, model: ModelSpec, c: ConfigArrays) -> "_Shape":
-        t, p, d, b, v = (np.asarray(x, dtype=float) for x in (c.tp, c.pp, c.dp, c.micro_batch, c.interleave))
+        t, p, d, b, v, cp, ep = (np.asarray(x, dtype=float)
+                                 for x in (c.tp, c.pp, c.dp, c.micro_batch, c.interleave, c.cp, c.ep))
         return cls(t=t, p=p, d=d, b=b, v=v, sp=np.asarray(c.sequence_parallel, dtype=bool),
                    recompute=np.asarray(c.recompute), zero=np.asarray(c.zero), schedule=np.asarray(c.schedule),
-                   m=model.global_batch / (d * b), layers_per_stage=model.layers / p, single_stage=p == 1)
+                   m=model.global_batch / (d * b), layers_per_stage=model.layers / p, single_stage=p == 1,
+                   c=cp, e=ep, bt=b / cp)
+
+
+def _per_distinct(fn, *keys):
+    """`fn(*keys)` evaluated once per distinct combination of the key arrays, spread back to every element.
+
+    The kernel times depend on the micro-batch, the TP size and SP only: a few dozen combinations
+    among the planner's thousands of configurations, each priced over several GEMM tile shapes.
+    """
+    shape = np.shape(keys[0])
+    columns = [np.broadcast_to(np.asarray(k), shape).ravel().astype(np.int64) for k in keys]
+    code = np.zeros(columns[0].shape, dtype=np.int64)
+    for column in columns:  # one integer per combination (the keys are small non-negative integers)
+        code = code * (int(column.max(initial=0)) + 1) + column
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    distinct = [column[first].astype(float) for column in columns]
+    results = fn(*distinct)
+    return tuple(np.asarray(r, dtype=float)[inverse.ravel()].reshape(shape) for r in results)
+
+
+def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: float):
+    """(layer forward, layer backward, attention forward, embedding f/b, logits f/b) for one micro-batch.
+
+    `b` is the rank's share in whole sequences (micro-batch / cp): under context parallelism each rank
+    runs every GEMM and element-wise pass on seq / cp tokens and FlashAttention on 1/cp of the score blocks
+    (its queries against all keys, causal work balanced by Megatron's chunk order), exactly b / cp sequences' work.
+    """
+    dev = cluster.device
+    gemm_f, gemm_b = compute.layer_gemm_times_s(model, b, t, dev, peak, ep)
+    attn_f, attn_b = compute.attention_core_times_s(model, b, t, dev, peak)
+    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp.astype(bool), dev)
+    gap_f, gap_b = compute.kernel_gaps_s(dev)
+    emb_f, emb_b = compute.embedding_times_s(model, b, dev)
+    out_f, out_b = compute.output_layer_times_s(model, b, t, dev, peak)
+    return (gemm_f + attn_f + elem_f + gap_f, gemm_b + attn_b + elem_b + gap_b, attn_f + 0.0 * b,
+            attn_b + 0.0 * b, emb_f + 0.0 * b, emb_b + 0.0 * b, out_f, out_b)
 
 
 def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float):
-    """(forward, backward, recomputed) seconds of one layer, one micro-batch, one GPU, no communication."""
-    dev = cluster.device
-    gemm_f, gemm_b = compute.layer_gemm_times_s(model, x.b, x.t, dev, peak)
-    attn_f, attn_b = compute.attention_core_times_s(model, x.b, x.t, dev, peak)
-    elem_f, elem_b = compute.layer_elementwise_times_s(model, x.b, x.t, x.sp, dev)
-    gap_f, gap_b = compute.kernel_gaps_s(dev)
-    forward = gemm_f + attn_f + elem_f + gap_f
-    backward = gemm_b + attn_b + elem_b + gap_b
+    """(forward, backward, recomputed, attention core f/b, embedding f/b, logits f/b) seconds, one micro-batch, one GPU,
+    no communication; a layer's recomputation re-runs its forward (full) or its attention core (selective)."""
+    forward, backward, attn_f, attn_b, emb_f, emb_b, out_f, out_b = _per_distinct(
+        lambda b, cp, t, sp, ep: _kernel_times_s(model, cluster, b / cp, t, sp, ep, peak), x.b, x.c, x.t, x.sp, x.e)
     recomputed = np.where(x.recompute == 2, forward, np.where(x.recompute == 1, attn_f, 0.0))
-    return forward, backward, recomputed
+    return forward, backward, recomputed, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b)
 
 
 def _tensor_parallel_pair_s(model: ModelSpec, cluster: Cluster, x: _Shape):
     """One of Megatron's f/g collectives on the b x s x h activation; with SP a reduce-scatter + all-gather."""
-    act_bytes = x.b * model.seq * model.hidden * model.activation_bytes
+    act_bytes = x.bt * model.seq * model.hidden * model.activation_bytes
     local = coll.group_members_per_node(x.t, 1, cluster.gpus_per_node)
     node = cluster.node
     split = coll.reduce_scatter_s(act_bytes, x.t, local, node) + coll.all_gather_s(act_bytes, x.t, local, node)
     return np.where(x.sp, split, coll.all_reduce_s(act_bytes, x.t, local, node))
 
 
+def _expert_all_to_all_s(model: ModelSpec, cluster: Cluster, x: _Shape):
+    """One of an MoE layer's all-to-alls (dispatch or combine) over the ep group, per micro-batch.
+
+    Each rank sends its tokens' hidden vectors to the top_k experts chosen for them (1/tp of them per TP rank
+    with sequence parallelism); the ep ranks are tp x cp apart (Megatron-core's order tp, cp, ep, dp).
+    Not overlapped with compute (Megatron-core's default dispatcher).
+    """
+    if not model.is_moe:
+        return np.zeros_like(x.t)
+    routed_bytes = (x.bt * model.seq * model.hidden * model.activation_bytes * model.top_k
+                    / np.where(x.sp, x.t, 1.0))
+    local = coll.group_members_per_node(x.e, x.t * x.c, cluster.gpus_per_node)
+    return coll.all_to_all_s(routed_bytes, x.e, local, cluster.node)
+
+
+def _context_ring_s(model: ModelSpec, cluster: Cluster, x: _Shape, attn_f, attn_b):
+    """Exposed ring-attention traffic of one layer, one micro-batch: (forward, backward) seconds.
+
+    Each of the cp ranks passes its chunk's keys and values (its kv heads on this TP rank) around the
+    ring, cp - 1 hops, while it computes attention on the chunk it has (Megatron-core overlaps them);
+    backward passes keys and values again with their gradients, twice the bytes. CP ranks are tp apart.
+    """
+    if not np.any(x.c > 1):
+        return np.zeros_like(x.t), np.zeros_like(x.t)
+    kv_bytes = (x.bt * model.seq * 2 * model.kv * model.head_dim / x.t) * model.activation_bytes
+    across = x.t * x.c > cluster.gpus_per_node
+    hops = x.c - 1
+    forward = hops * coll.p2p_s(kv_bytes, across, cluster.node)
+    backward = hops * coll.p2p_s(2 * kv_bytes, across, cluster.node)
+    exposed_f = np.where(hops > 0, np.maximum(forward - attn_f, 0.0), 0.0)
+    exposed_b = np.where(hops > 0, np.maximum(backward - attn_b, 0.0), 0.0)
+    return exposed_f, exposed_b
+
+
 def _stage_params(model: ModelSpec, x: _Shape):
-    """Parameters on one GPU of the first and of the last stage (the tied embedding has a copy on the last)."""
+    """Parameters on one GPU of the first and of the last stage (the tied embedding has a copy on the last),
+    without the experts, and the experts' parameters on one GPU (divided by TP and by EP)."""
     h = model.hidden
-    layers_here = x.layers_per_stage * model.layer_params / x.t
+    layers_here = x.layers_per_stage * (model.layer_params - model.expert_params_per_layer) / x.t
+    experts_here = x.layers_per_stage * model.expert_params_per_layer / (x.t * x.e)
     embedding_here = model.vocab * h / x.t
     first = layers_here + embedding_here + model.seq * h + np.where(x.single_stage, 2 * h, 0.0)
     last = np.where(x.single_stage, first, layers_here + embedding_here + 2 * h)
-    return first, last, embedding_here
+    return first, last, embedding_here, experts_here
+
+
+def _data_group(cluster: Cluster, x: _Shape, experts: bool = False):
+    """(size, members per node) of the group that holds copies of a weight: dp x cp ranks, tp x cp apart
+    ... tp apart (Megatron's order tp, cp, dp); an expert's copies are ep times fewer and further apart."""
+    size = x.d * x.c / np.where(experts, x.e, 1.0)
+    stride = x.t * np.where(experts, x.e, 1.0)
+    return size, coll.group_members_per_node(size, stride, cluster.gpus_per_node)
 
 
 def _zero_in_step_s(cluster: Cluster, x: _Shape, params, compute_f, compute_b, bucket_mb: float):
     """ZeRO-2/3 traffic per micro-batch that compute could not hide."""
-    node, local = cluster.node, coll.group_members_per_node(x.d, x.t, cluster.gpus_per_node)
+    node, (group, local) = cluster.node, _data_group(cluster, x)
     shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
-    gather = coll.all_gather_s(shard_bytes, x.d, local, node)
-    scatter = coll.reduce_scatter_s(shard_bytes, x.d, local, node)
+    gather = coll.all_gather_s(shard_bytes, group, local, node)
+    scatter = coll.reduce_scatter_s(shard_bytes, group, local, node)
     # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
     # except the first unit's; backward gathers again and reduce-scatters gradients.
     stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
               + np.maximum(gather + scatter - compute_b, 0.0))
     # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
-    latency = coll.reduce_scatter_s(0.0, x.d, local, node)
+    latency = coll.reduce_scatter_s(0.0, group, local, node)
     stage2 = coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
     return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
 
 
-def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: ConfigArrays):
+def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: ConfigArrays, experts: bool = False):
     """End-of-step gradient sync left to do after the last micro-batch (what ZeRO-2/3 did not do already)."""
-    node, local = cluster.node, coll.group_members_per_node(x.d, x.t, cluster.gpus_per_node)
+    node, (group, local) = cluster.node, _data_group(cluster, x, experts)
     grad_bytes = params * memory.GRAD_BYTES_PER_PARAM
-    all_reduce = coll.all_reduce_s(grad_bytes, x.d, local, node)
-    scatter = coll.reduce_scatter_s(grad_bytes, x.d, local, node)
-    gather = coll.all_gather_s(params * memory.WEIGHT_BYTES_PER_PARAM, x.d, local, node)
+    all_reduce = coll.all_reduce_s(grad_bytes, group, local, node)
+    scatter = coll.reduce_scatter_s(grad_bytes, group, local, node)
+    gather = coll.all_gather_s(params * memory.WEIGHT_BYTES_PER_PARAM, group, local, node)
     reduce = np.where(x.zero == 0, all_reduce, scatter)
     if c.overlap_grad_reduce:  # buckets go out while the last micro-batch's backward runs
-        latency = np.where(x.zero == 0, coll.all_reduce_s(0.0, x.d, local, node),
-                           coll.reduce_scatter_s(0.0, x.d, local, node))
+        latency = np.where(x.zero == 0, coll.all_reduce_s(0.0, group, local, node),
+                           coll.reduce_scatter_s(0.0, group, local, node))
         reduce = coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
                                                  backward_s)
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
@@ -191,8 +281,10 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: Co
 
 def _activation_bytes(model: ModelSpec, x: _Shape):
     """Activations held at the peak by the first and by the last stage."""
-    s, b, h = model.seq, x.b, model.hidden
-    shape = dict(ffn_ratio=model.ffn / h, attention_scores_stored=model.attention == "unfused",
+    s, b, h = model.seq, x.bt, model.hidden
+    # an MoE layer keeps its experts' activations for top_k copies of each token, padded to the load
+    routed = model.top_k * model.expert_load if model.is_moe else 1.0
+    shape = dict(ffn_ratio=routed * model.ffn / h, attention_scores_stored=model.attention == "unfused",
                  kv_fraction=model.kv / model.heads, gated_mlp=model.gated_mlp)
     per_layer = memory.activation_bytes_per_layer_coded(s, b, h, model.heads, x.t, x.sp, x.recompute, **shape)
     per_layer_whole = memory.activation_bytes_per_layer_coded(s, b, h, model.heads, x.t, x.sp, 0, **shape)
@@ -217,9 +309,8 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     extra_on_single = lambda value: np.where(single, value, 0.0)  # noqa: E731
 
     # -- per micro-batch, per stage: compute, tensor-parallel collectives, pipeline sends
-    layer_f, layer_b, layer_recompute = _layer_times_s(model, cluster, x, peak)
-    emb_f, emb_b = compute.embedding_times_s(model, x.b, dev)
-    out_f, out_b = compute.output_layer_times_s(model, x.b, x.t, dev, peak)
+    layer_f, layer_b, layer_recompute, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b) = _layer_times_s(
+        model, cluster, x, peak)
     first_compute_f = lps * layer_f + emb_f + extra_on_single(out_f)
     first_compute_b = lps * (layer_b + layer_recompute) + emb_b + extra_on_single(out_b)
     last_compute_f = lps * layer_f + out_f + extra_on_single(emb_f)
@@ -230,18 +321,25 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     # plus the vocab-parallel embedding (first stage) and logits-gradient (last stage) pair
     tp_per_layer = 4 * tp_pair + np.where(x.recompute == 2, 2 * tp_pair, 0.0)
     stage_tp = lps * tp_per_layer + tp_pair + extra_on_single(tp_pair)
+    # MoE: dispatch + combine forward, the same backward, again when full recompute re-runs the forward
+    a2a = _expert_all_to_all_s(model, cluster, x)
+    stage_ep = lps * a2a * (4 + np.where(x.recompute == 2, 2, 0))
+    ring_f, ring_b = _context_ring_s(model, cluster, x, attn_f, attn_b)
+    stage_cp = lps * (ring_b + ring_f * np.where(x.recompute == 2, 2, 1))
 
     # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
-    stages_across_nodes = x.t * x.d >= g
-    act_bytes = x.b * model.seq * model.hidden * model.activation_bytes
+    stages_across_nodes = x.t * x.c * x.d >= g
+    act_bytes = x.bt * model.seq * model.hidden * model.activation_bytes
     p2p_mb = np.where(single, 0.0, 2 * x.v * coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node))
 
-    first_params, last_params, embedding_here = _stage_params(model, x)
-    first_zero = _zero_in_step_s(cluster, x, first_params, first_compute_f, first_compute_b, c.bucket_mb)
-    last_zero = _zero_in_step_s(cluster, x, last_params, last_compute_f, last_compute_b, c.bucket_mb)
+    first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
+    first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, first_compute_f, first_compute_b,
+                                 c.bucket_mb)
+    last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, last_compute_f, last_compute_b, c.bucket_mb)
 
-    first_stage = first_compute_f + first_compute_b + stage_tp + p2p_mb + first_zero
-    last_stage = last_compute_f + last_compute_b + stage_tp + p2p_mb + last_zero
+    stage_comm = stage_tp + stage_ep + stage_cp + p2p_mb
+    first_stage = first_compute_f + first_compute_b + stage_comm + first_zero
+    last_stage = last_compute_f + last_compute_b + stage_comm + last_zero
     last_is_slowest = last_stage > first_stage
     t_stage = np.maximum(first_stage, last_stage)
     slowest = lambda first, last: np.where(last_is_slowest, last, first)  # noqa: E731
@@ -250,23 +348,33 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     pipeline_s = m * t_stage
     bubble_s = (x.p - 1) / x.v * t_stage
     sync_params = np.maximum(first_params, last_params)
-    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, np.maximum(first_compute_b, last_compute_b), c)
-    optimizer_s = compute.optimizer_step_s(sync_params / np.where(x.zero >= 1, x.d, 1.0), dev)
+    last_backward = np.maximum(first_compute_b, last_compute_b)
+    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, last_backward, c)
+    if model.is_moe:
+        dp_sync_s = dp_sync_s + _data_parallel_sync_s(cluster, x, experts_here, last_backward, c, True)
+    dense_group, expert_group = _data_group(cluster, x)[0], _data_group(cluster, x, True)[0]
+    owned = (sync_params / np.where(x.zero >= 1, dense_group, 1.0)
+             + experts_here / np.where(x.zero >= 1, expert_group, 1.0))
+    optimizer_s = compute.optimizer_step_s(owned, dev)
     embedding_sync_s = np.where(single, 0.0, coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
                                                                np.where(stages_across_nodes, 1.0, 2.0), cluster.node))
     step_s = pipeline_s + bubble_s + dp_sync_s + optimizer_s + embedding_sync_s
 
     # -- throughput
-    n_gpus = x.t * x.p * x.d
+    n_gpus = x.t * x.c * x.p * x.d
     hardware_flops = compute.hardware_flops_per_iteration(model, x.recompute)
     model_flops = compute.model_flops_per_iteration(model)
 
     # -- memory: the fuller of the first and last stage
     first_act, last_act = _activation_bytes(model, x)
     other = dev.framework_overhead_bytes + np.where(
-        x.zero == 3, 2 * model.layer_params / x.t * memory.WEIGHT_BYTES_PER_PARAM, 0.0)  # prefetched layers
-    first_states = memory.model_state_bytes(first_params, x.d, x.zero)
-    last_states = memory.model_state_bytes(last_params, x.d, x.zero)
+        x.zero == 3, 2 * (model.layer_params - model.expert_params_per_layer + model.expert_params_per_layer / x.e)
+        / x.t * memory.WEIGHT_BYTES_PER_PARAM, 0.0)  # prefetched layers
+    expert_states = memory.model_state_bytes(experts_here, expert_group, x.zero)
+    first_states = memory.model_state_bytes(first_params, dense_group, x.zero)
+    last_states = memory.model_state_bytes(last_params, dense_group, x.zero)
+    first_states = {k: v + expert_states[k] for k, v in first_states.items()}
+    last_states = {k: v + expert_states[k] for k, v in last_states.items()}
     first_total = sum(first_states.values()) + first_act + other
     last_total = sum(last_states.values()) + last_act + other
     last_is_fullest = last_total > first_total
@@ -284,6 +392,8 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
         "bubble_fraction": bubble_s / pipeline_s,
         "compute_s": m * slowest(first_compute_f + first_compute_b, last_compute_f + last_compute_b),
         "tp_comm_s": m * stage_tp,
+        "ep_comm_s": m * stage_ep,
+        "cp_comm_s": m * stage_cp,
         "pp_p2p_s": m * p2p_mb,
         "zero_comm_s": m * slowest(first_zero, last_zero),
         "bubble_s": bubble_s,
@@ -304,5 +414,5 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     }
 
 
-BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s", "embedding_sync_s",
+BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s", "embedding_sync_s",
                   "bubble_s", "optimizer_s")

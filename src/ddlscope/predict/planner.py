@@ -1,7 +1,8 @@
 """`plan`: score every valid parallel configuration at once and rank what fits.
 
-The search space is TP x PP x DP x micro-batch x ZeRO stage x recomputation
-x sequence parallelism x interleaving x schedule, built as flat numpy arrays
+The search space is TP x CP x PP x DP x micro-batch x ZeRO stage x
+recomputation x sequence parallelism x interleaving x schedule (x EP for a
+mixture of experts), built as flat numpy arrays
 (a Cartesian product, then the validity mask) and scored by
 `model.evaluate` in one vectorized call per cluster size: no Python loop per
 configuration.
@@ -17,15 +18,17 @@ import numpy as np
 
 from ddlscope.predict.catalogue import Cluster, make_cluster
 from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
-from ddlscope.predict.predictor import prediction_from_arrays, validate_model
+from ddlscope.predict.predictor import prediction_from_arrays, prediction_range, validate_model
 from ddlscope.predict.specs import ModelSpec, Prediction
 from ddlscope.specs import ConfigError
 
 RankBy = Literal["time", "cost"]
 MAX_MICRO_BATCH = 64
 MAX_INTERLEAVE = 8
+MAX_EXPERT_PARALLEL = 64
 
-TERM_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "pp_p2p_s": "PP send/recv",
+TERM_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "ep_comm_s": "expert all-to-all",
+               "cp_comm_s": "context-parallel ring", "pp_p2p_s": "PP send/recv",
                "zero_comm_s": "ZeRO gathers", "dp_sync_s": "DP grad sync", "embedding_sync_s": "embedding sync",
                "bubble_s": "pipeline bubble", "optimizer_s": "optimizer"}
 
@@ -60,19 +63,22 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
                       max_interleave: int = MAX_INTERLEAVE) -> ConfigArrays:
     """Every valid configuration for this model on exactly this cluster, as arrays."""
     n = cluster.n_gpus
-    pairs = [(t, p) for t in divisors(n) if model.heads % t == 0 and model.kv % t == 0
-             for p in divisors(n // t) if model.layers % p == 0]
-    if not pairs:
+    cps = [c for c in (1, 2, 4, 8, 16, 32) if c <= n and (c == 1 or model.attention == "flash")
+           and model.seq % (2 * c) == 0]
+    triples = [(t, c, p) for t in divisors(n) if model.heads % t == 0 and model.kv % t == 0
+               for c in cps if (n // t) % c == 0
+               for p in divisors(n // (t * c)) if model.layers % p == 0]
+    if not triples:
         return _empty()
-    tp = np.array([t for t, _ in pairs])
-    pp = np.array([p for _, p in pairs])
+    tp, cp, pp = (np.array(column) for column in zip(*triples))
     micro = np.array(divisors(model.global_batch, max_micro_batch))  # not a loop to a huge batch
     interleave = np.array(divisors(model.layers, max_interleave))
-    axes = np.meshgrid(np.arange(len(pairs)), micro, np.arange(4), np.arange(3), np.array([False, True]),
-                       interleave, np.arange(2), indexing="ij")
-    pair_i, b, zero, rc, sp, v, sched = (a.ravel() for a in axes)
-    c = ConfigArrays(tp=tp[pair_i], pp=pp[pair_i], dp=n // (tp[pair_i] * pp[pair_i]), micro_batch=b, zero=zero,
-                     recompute=rc, sequence_parallel=sp, interleave=v, schedule=sched)
+    eps = np.array(divisors(model.experts, MAX_EXPERT_PARALLEL) if model.is_moe else [1])
+    axes = np.meshgrid(np.arange(len(triples)), micro, np.arange(4), np.arange(3), np.array([False, True]),
+                       interleave, np.arange(2), eps, indexing="ij")
+    index, b, zero, rc, sp, v, sched, ep = (a.ravel() for a in axes)
+    c = ConfigArrays(tp=tp[index], pp=pp[index], dp=n // (tp[index] * cp[index] * pp[index]), micro_batch=b,
+                     zero=zero, recompute=rc, sequence_parallel=sp, interleave=v, schedule=sched, cp=cp[index], ep=ep)
     distinct = (c.schedule == 0) | (c.pp > 1)  # without a pipeline GPipe and 1F1B are the same run
     return c.take(valid_mask(model, cluster, c) & distinct)
 
@@ -119,6 +125,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     for r, (k, i) in enumerate(order[:top]):
         sub, configs, out = scored[k]
         pred = prediction_from_arrays(out, i, model, configs.spec(i), sub, spot)
+        pred.range = prediction_range(model, sub, configs.take(np.array([i])))
         runner_up = order[r + 1] if r + 1 < len(order) else None
         why = _why(scored, (k, i), runner_up, key) if runner_up else "no other configuration fits"
         rows.append(PlanRow(rank=r + 1, prediction=pred, why=why))

@@ -33,13 +33,21 @@ def validate_model(model: ModelSpec, cluster: Cluster) -> None:
         raise ConfigError(f"kv_heads = {model.kv_heads}: must divide heads = {model.heads}")
     if model.attention not in ("flash", "unfused"):
         raise ConfigError(f"attention = {model.attention!r}: allowed: flash, unfused")
+    if model.experts < 0 or model.experts > 2**16:
+        raise ConfigError(f"experts = {model.experts}: must be 0 (a dense MLP) to {2**16:,}")
+    if model.is_moe and not 1 <= model.top_k <= model.experts:
+        raise ConfigError(f"top_k = {model.top_k}: must be 1 to experts = {model.experts}")
+    if model.capacity_factor != 0 and not model.capacity_factor >= 1:
+        raise ConfigError(f"capacity_factor = {model.capacity_factor}: must be 0 (dropless) or >= 1")
+    if not model.expert_imbalance >= 1:
+        raise ConfigError(f"expert_imbalance = {model.expert_imbalance}: must be >= 1 (busiest expert / the mean)")
     cluster.device.peak(model.dtype)  # raises for a dtype the device has no peak for
 
 
 def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None:
     """Refuse a configuration that cannot run, with one line naming the field and what is allowed."""
     validate_model(model, cluster)
-    for name in ("tp", "pp", "dp", "micro_batch", "interleave"):
+    for name in ("tp", "pp", "dp", "micro_batch", "interleave", "cp", "ep"):
         if getattr(parallel, name) < 1:
             raise ConfigError(f"{name} = {getattr(parallel, name)}: must be >= 1")
     if parallel.zero not in (0, 1, 2, 3):
@@ -49,9 +57,19 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
     if parallel.schedule not in SCHEDULE_CODES:
         raise ConfigError(f"schedule = {parallel.schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
     t, p, d, b, v = parallel.tp, parallel.pp, parallel.dp, parallel.micro_batch, parallel.interleave
-    if t * p * d > cluster.n_gpus:
-        raise ConfigError(f"tp x pp x dp = {t} x {p} x {d} = {t * p * d}: more than the cluster's "
-                          f"{cluster.n_gpus} GPUs ({cluster})")
+    cp, ep = parallel.cp, parallel.ep
+    if parallel.gpus > cluster.n_gpus:
+        sizes = f"tp x pp x dp = {t} x {p} x {d}" if cp == 1 else f"tp x cp x pp x dp = {t} x {cp} x {p} x {d}"
+        raise ConfigError(f"{sizes} = {parallel.gpus}: more than the cluster's {cluster.n_gpus} GPUs ({cluster})")
+    if cp > 1 and model.attention != "flash":
+        raise ConfigError(f"cp = {cp}: context parallelism (ring attention) needs attention = 'flash'")
+    if model.seq % (2 * cp):
+        raise ConfigError(f"cp = {cp}: seq = {model.seq} must be divisible by 2 x cp = {2 * cp} "
+                          "(each rank takes two chunks, for causal balance)")
+    if ep > 1 and not model.is_moe:
+        raise ConfigError(f"ep = {ep}: expert parallelism needs a mixture-of-experts model (experts > 0)")
+    if ep > 1 and (model.experts % ep or (d * cp) % ep):
+        raise ConfigError(f"ep = {ep}: must divide experts = {model.experts} and dp x cp = {d * cp}")
     if model.heads % t:
         raise ConfigError(f"tp = {t}: must divide heads = {model.heads}")
     if model.kv % t:
@@ -79,8 +97,21 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
 def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bool = False) -> Prediction:
     """Validate and score one configuration."""
     validate(model, parallel, cluster)
-    out = evaluate(model, cluster, ConfigArrays.from_specs([parallel]))
-    return prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+    configs = ConfigArrays.from_specs([parallel])
+    out = evaluate(model, cluster, configs)
+    prediction = prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+    prediction.range = prediction_range(model, cluster, configs)
+    return prediction
+
+
+RANGE_KEYS = ("step_time_s", "tflops_per_gpu", "mfu")
+
+
+def prediction_range(model: ModelSpec, cluster: Cluster, configs: ConfigArrays, i: int = 0) -> dict[str, list[float]]:
+    """[low, high] of the headline figures with every measured efficiency at either end of its sources."""
+    slow = evaluate(model, cluster.at_bound("low"), configs)
+    fast = evaluate(model, cluster.at_bound("high"), configs)
+    return {key: sorted([float(slow[key][i]), float(fast[key][i])]) for key in RANGE_KEYS}
 
 
 # The lowest fraction tried: below it a GPU would do a tenth of its isolated GEMM rate, which no
@@ -134,6 +165,8 @@ def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: Parall
         "compute": value("compute_s"),
         "recompute_included": value("recompute_s"),
         "tp_comm": value("tp_comm_s"),
+        "ep_all_to_all": value("ep_comm_s"),
+        "cp_ring": value("cp_comm_s"),
         "pp_p2p": value("pp_p2p_s"),
         "zero_comm": value("zero_comm_s"),
         "dp_grad_sync": value("dp_sync_s"),
@@ -149,9 +182,10 @@ def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: Parall
         "other": value("other_bytes") / GB,
     }
     notes = []
-    used = parallel.tp * parallel.pp * parallel.dp
+    used = parallel.gpus
     if used < cluster.n_gpus:
-        notes.append(f"uses tp x pp x dp = {used} of the cluster's {cluster.n_gpus} GPUs; "
+        sizes = "tp x pp x dp" if parallel.cp == 1 else "tp x cp x pp x dp"
+        notes.append(f"uses {sizes} = {used} of the cluster's {cluster.n_gpus} GPUs; "
                      "per-GPU figures, energy and cost count the GPUs used")
     if not bool(out["fits"][i]):
         notes.append(f"needs {value('memory_bytes') / GB:.1f} GB per GPU; {cluster.device.key} has "

@@ -27,6 +27,13 @@ class ModelSpec:
     dropout over s x s tensors, as Megatron-LM did in 2020-2021).
     `kv_heads` < `heads` is grouped-query attention (Llama 2/3); `gated_mlp`
     a SwiGLU MLP (three f x h matrices instead of two). Defaults: GPT.
+
+    Mixture of experts (`experts` > 0): every layer's MLP becomes `experts`
+    MLPs of width `ffn`, a router (h x experts) sends each token to `top_k`
+    of them. `capacity_factor` > 0 pads every expert's buffer to
+    capacity_factor x its mean load (GShard/Switch: the busiest rank computes
+    that many slots; overflow is dropped); 0 is dropless (Megatron-core's
+    default), where the busiest expert computes `expert_imbalance` x the mean.
     """
 
     hidden: int
@@ -42,6 +49,30 @@ class ModelSpec:
     dtype: str = "bf16"
     causal: bool = True
     name: str = "gpt"
+    experts: int = 0  # 0: a dense MLP
+    top_k: int = 2
+    capacity_factor: float = 0.0  # 0: dropless
+    expert_imbalance: float = 1.0  # tokens of the busiest expert / the mean (dropless)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def expert_load(self) -> float:
+        """Token slots the busiest expert computes, over the mean load T k / E."""
+        return self.capacity_factor if self.capacity_factor > 0 else self.expert_imbalance
+
+    @property
+    def mlp_params(self) -> int:
+        """Weights and biases of one MLP (one expert)."""
+        h, f = self.hidden, self.ffn
+        return self.mlp_matrices * h * f + (self.mlp_matrices - 1) * f + h
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """All experts' weights in one layer (0 for a dense model): what expert parallelism divides."""
+        return self.experts * self.mlp_params
 
     @property
     def ffn(self) -> int:
@@ -70,16 +101,19 @@ class ModelSpec:
 
         For GPT (f = 4h, no GQA) this is Megatron-LM's 12 h^2 + 13 h.
         """
-        h, f, q = self.hidden, self.ffn, self.qkv_width
+        h, q = self.hidden, self.qkv_width
         attention = h * q + q + h * h + h
-        mlp = self.mlp_matrices * h * f + (self.mlp_matrices - 1) * f + h
+        mlp = self.expert_params_per_layer + h * self.experts if self.is_moe else self.mlp_params  # + router
         return attention + mlp + 4 * h
 
     @property
     def dense_flops_per_token(self) -> int:
         """Forward FLOPs of one layer's weight GEMMs per token (2 per multiply-add); 24 h^2 for GPT."""
         h = self.hidden
-        return 2 * (h * self.qkv_width + h * h + self.mlp_matrices * h * self.ffn)
+        mlp = self.mlp_matrices * h * self.ffn
+        if self.is_moe:  # the router, and top_k experts per token (the active parameters)
+            mlp = self.top_k * mlp + h * self.experts
+        return 2 * (h * self.qkv_width + h * h + mlp)
 
     @property
     def params(self) -> int:
@@ -95,7 +129,7 @@ class ModelSpec:
 class ParallelSpec:
     """How one training step is spread over the GPUs.
 
-    tp x pp x dp may not exceed the cluster's GPU count (fewer: the job uses a subset). `zero`: 0 plain data
+    tp x cp x pp x dp may not exceed the cluster's GPU count (fewer: the job uses a subset). `zero`: 0 plain data
     parallel, 1 optimizer states sharded over dp, 2 + gradients, 3 + parameters
     (FSDP FULL_SHARD). `interleave`: model chunks per pipeline stage (1 = plain
     1F1B). `overlap_grad_reduce`: data-parallel gradient reduction runs in
@@ -106,6 +140,8 @@ class ParallelSpec:
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
+    cp: int = 1  # context parallel: each rank holds seq / cp of every sequence (ring attention)
+    ep: int = 1  # expert parallel: experts spread over ep of the dp x cp ranks
     zero: int = 0
     recompute: Recompute = "none"
     sequence_parallel: bool = False
@@ -116,11 +152,12 @@ class ParallelSpec:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def label(self) -> str:
-        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}", f"mb{self.micro_batch}", f"ZeRO-{self.zero}",
-                 f"recompute={self.recompute}"]
+        parts = [f"TP{self.tp}"] + ([f"CP{self.cp}"] if self.cp > 1 else []) + [f"PP{self.pp}", f"DP{self.dp}"]
+        parts += ([f"EP{self.ep}"] if self.ep > 1 else []) + [f"mb{self.micro_batch}", f"ZeRO-{self.zero}",
+                                                              f"recompute={self.recompute}"]
         if self.sequence_parallel:
             parts.append("SP")
         if self.interleave > 1:
@@ -153,6 +190,9 @@ class Prediction:
     micro_batches: int
     bubble_fraction: float
     notes: list[str] = field(default_factory=list)
+    # [low, high] of step_time_s, tflops_per_gpu, mfu with every measured efficiency at the low and at
+    # the high end of its published sources (catalogue.toml `*_range`); empty where not computed
+    range: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

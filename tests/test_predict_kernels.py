@@ -1,0 +1,241 @@
+"""Kernel-level compute model, the prediction's range, and its sources (issue 23)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddlscope.predict import ModelSpec, ParallelSpec, parse_cluster, predict
+from ddlscope.predict import compute
+from ddlscope.predict.catalogue import load_catalogue
+
+GPT_13B = ModelSpec(hidden=5120, heads=40, layers=40, seq=2048, vocab=51200, global_batch=512)
+
+
+def test_range_holds_the_prediction_and_spans_the_gemm_sources():
+    cluster = parse_cluster("a100-80gb:8x8")
+    p = predict(GPT_13B, ParallelSpec(tp=2, dp=32, micro_batch=4, recompute="selective"), cluster)
+    low, high = p.range["step_time_s"]
+    assert low < p.step_time_s < high
+    eff = cluster.device.efficiency
+    lo_frac, hi_frac = eff.gemm_kernel_fraction_range
+    # GEMM-dominated: the step moves by about the GEMM sources' spread, never by more than all of it
+    assert high / low < hi_frac / lo_frac * 1.05
+    assert high / low > 1.02
+    assert p.range["tflops_per_gpu"][0] < p.tflops_per_gpu < p.range["tflops_per_gpu"][1]
+    assert p.range["mfu"][0] < p.mfu < p.range["mfu"][1]
+
+
+def test_every_device_has_sms_and_ranges_holding_the_central_value():
+    for key, dev in load_catalogue().devices.items():
+        e = dev.efficiency
+        assert e.sms > 0, key
+        assert e.sustained_fraction == 1.0, key  # nothing derated for a stack in the catalogue
+        for name in ("gemm_kernel_fraction", "flash_attention_fraction", "memory_fraction"):
+            low, high = getattr(e, f"{name}_range")
+            assert low <= getattr(e, name) <= high and high < 1.0, (key, name)
+
+
+def test_large_gemm_runs_at_the_published_matmul_rate():
+    """A wave-aligned large GEMM on A100 gets the kernel fraction (MAMF ~268-271 of 312 TFLOP/s)."""
+    a100 = load_catalogue().devices["a100-80gb"]
+    m = n = k = 108 * 256  # 108 x 216 tiles of 256x128: 216 full waves
+    t = float(compute.gemm_s(m, n, k, a100, 312e12))
+    assert 2 * m * n * k / t / 1e12 == pytest.approx(312 * 0.86, rel=1e-9)
+
+
+def test_flash_attention_at_its_own_rate():
+    a100 = load_catalogue().devices["a100-80gb"]
+    model = ModelSpec(hidden=4096, heads=32, layers=1, seq=4096, vocab=1, global_batch=1)
+    forward, backward = compute.attention_core_times_s(model, 1, 1, a100, 312e12)
+    flops = 4 * 1 * 32 * 4096 * 4096 * 128 * 0.5  # causal: half the blocks
+    assert float(forward) == pytest.approx(flops / (312e12 * 0.58))
+    assert float(backward) == pytest.approx(2.5 * float(forward))
+
+
+# ---------------------------------------------------------------------------- mixture of experts
+from ddlscope.predict import collectives as coll  # noqa: E402
+from ddlscope.predict.model import ConfigArrays, evaluate  # noqa: E402
+
+MOE = ModelSpec(hidden=1024, heads=8, layers=4, seq=2048, vocab=32000, global_batch=64, experts=8, top_k=2)
+
+
+def test_moe_counts_active_flops_and_all_expert_parameters():
+    h, f = 1024, 4096
+    dense_mlp = 2 * h * f
+    assert MOE.dense_flops_per_token == 2 * (h * 3 * h + h * h + 2 * dense_mlp + h * 8)  # top 2 of 8, + router
+    mlp_params = 2 * h * f + f + h
+    assert MOE.layer_params == (h * 3 * h + 3 * h + h * h + h) + 8 * mlp_params + h * 8 + 4 * h
+
+
+def test_one_expert_top_one_is_the_dense_mlp_plus_a_router():
+    a100 = load_catalogue().devices["a100-80gb"]
+    dense = ModelSpec(hidden=1024, heads=8, layers=4, seq=2048, vocab=32000, global_batch=64)
+    single = ModelSpec(hidden=1024, heads=8, layers=4, seq=2048, vocab=32000, global_batch=64, experts=1, top_k=1)
+    d_f, _ = compute.layer_gemm_times_s(dense, 4, 1, a100, 312e12)
+    s_f, _ = compute.layer_gemm_times_s(single, 4, 1, a100, 312e12)
+    router = compute.linear_forward_s(4 * 2048, 1, 1024, a100, 312e12)
+    assert float(s_f) == pytest.approx(float(d_f + router), rel=1e-12)
+
+
+def test_expert_load_scales_the_busiest_ranks_expert_work():
+    a100 = load_catalogue().devices["a100-80gb"]
+    base = ModelSpec(hidden=4096, heads=32, layers=1, seq=4096, vocab=1, global_batch=1, experts=8, top_k=2)
+    padded = ModelSpec(hidden=4096, heads=32, layers=1, seq=4096, vocab=1, global_batch=1, experts=8, top_k=2,
+                       capacity_factor=2.0)
+    f1, _ = compute.layer_gemm_times_s(base, 2, 1, a100, 312e12, ep=8)
+    f2, _ = compute.layer_gemm_times_s(padded, 2, 1, a100, 312e12, ep=8)
+    attention = sum(compute.linear_forward_s(2 * 4096, n, 4096, a100, 312e12) for n in (3 * 4096, 4096))
+    router = compute.linear_forward_s(2 * 4096, 8, 4096, a100, 312e12)
+    # one local expert, 8 ranks x 8192 tokens x 2 / 8 experts = 16384 tokens (x2 padded): GEMM-bound, wave-aligned
+    experts1, experts2 = float(f1 - attention - router), float(f2 - attention - router)
+    assert experts2 / experts1 == pytest.approx(2.0, rel=0.02)
+    assert experts1 == pytest.approx(2 * 2 * 16384 * 4096 * 16384 / (312e12 * 0.86), rel=0.03)
+
+
+def nccl_by_hand(hops: float, hop_s: float, transfer_s: float) -> float:
+    """NCCL's tuner by hand: LL (6.6 us, hops at 0.6/3.4 of Simple's, half the bandwidth), LL128 (14 us,
+    1.9/3.4, 0.92), Simple (8.4 us, 1, 1)."""
+    return min(6.6e-6 + hops * hop_s * 0.6 / 3.4 + transfer_s / 0.5, 14e-6 + hops * hop_s * 1.9 / 3.4 + transfer_s / 0.92,
+               8.4e-6 + hops * hop_s + transfer_s)
+
+
+def _one(model, cluster, **parallel):
+    spec = ParallelSpec(**parallel)
+    return evaluate(model, cluster, ConfigArrays.from_specs([spec])), spec
+
+
+def test_expert_all_to_all_by_hand():
+    """8 experts over ep 8 on one NVSwitch node: each rank sends b s h k x 2 bytes, 7/8 of it off-GPU."""
+    cluster = parse_cluster("a100-80gb:1x8")
+    out, spec = _one(MOE, cluster, dp=8, ep=8, micro_batch=2)
+    node = cluster.node
+    size = 2 * 2048 * 1024 * 2 * 2  # b s h k bytes
+    one = nccl_by_hand(7, node.intra.alpha_s, size * 7 / 8 / node.intra.achieved_bytes_per_s)
+    micro_batches, layers = 64 / (8 * 2), 4
+    assert float(out["ep_comm_s"][0]) == pytest.approx(micro_batches * layers * 4 * one, rel=1e-12)
+    no_ep, _ = _one(MOE, cluster, dp=8, ep=1, micro_batch=2)
+    assert float(no_ep["ep_comm_s"][0]) == 0.0
+    # expert weights: 1/8 of them per GPU with ep 8
+    assert float(no_ep["parameters_bytes"][0]) - float(out["parameters_bytes"][0]) == pytest.approx(
+        2 * 4 * 8 * MOE.mlp_params * 7 / 8, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- context parallelism
+LONG = ModelSpec(hidden=4096, heads=32, layers=8, seq=32768, vocab=32000, global_batch=16)
+
+
+def test_context_parallel_rank_does_the_work_of_its_share_of_tokens():
+    """cp 2 with micro-batch 2 gives each rank the tokens of one sequence: the same kernels as cp 1, micro-batch 1."""
+    cluster = parse_cluster("h100:1x8")
+    cp2, _ = _one(LONG, cluster, cp=2, dp=4, micro_batch=2)
+    cp1, _ = _one(LONG, cluster, cp=1, dp=8, micro_batch=1)
+    assert float(cp2["compute_s"][0]) == pytest.approx(float(cp1["compute_s"][0]), rel=1e-12)
+    assert float(cp2["activations_bytes"][0]) == pytest.approx(float(cp1["activations_bytes"][0]), rel=1e-12)
+
+
+def test_ring_attention_exposed_when_it_crosses_nodes():
+    """tp 8 x cp 4 spans 4 nodes: each of 3 hops sends this rank's K and V chunk over its NIC share while the
+    attention on the previous chunk runs; what does not hide shows."""
+    cluster = parse_cluster("a100-80gb:4x8")
+    out, _ = _one(LONG, cluster, tp=8, cp=4, dp=1, micro_batch=1)
+    node, dev = cluster.node, cluster.device
+    kv_bytes = 1 / 4 * 32768 * 2 * 32 * 128 / 8 * 2
+    hop_f = nccl_by_hand(1, node.inter.alpha_s, kv_bytes / node.inter_bytes_per_s_per_gpu)
+    hop_b = nccl_by_hand(1, node.inter.alpha_s, 2 * kv_bytes / node.inter_bytes_per_s_per_gpu)
+    attn_f, attn_b = compute.attention_core_times_s(LONG, 1 / 4, 8, dev, dev.peak("bf16"))
+    per_layer = max(3 * hop_f - float(attn_f), 0) + max(3 * hop_b - float(attn_b), 0)
+    assert per_layer > 0
+    assert float(out["cp_comm_s"][0]) == pytest.approx(16 * 8 * per_layer, rel=1e-12)
+    inside, _ = _one(LONG, parse_cluster("a100-80gb:4x8"), tp=2, cp=4, dp=4, micro_batch=1)
+    assert float(inside["cp_comm_s"][0]) < float(out["cp_comm_s"][0])  # NVLink hops hide behind attention
+
+
+def test_plan_searches_experts_and_context_parallel():
+    from ddlscope.predict.planner import candidate_configs, plan
+
+    cluster = parse_cluster("h100:2x8")
+    configs = candidate_configs(MOE, cluster)
+    assert set(configs.ep.tolist()) == {1, 2, 4, 8} and 2 in set(configs.cp.tolist())
+    result = plan(MOE, cluster, top=3)
+    assert result.rows and all(r.prediction.fits for r in result.rows)
+    best = result.rows[0].prediction
+    again = predict(MOE, ParallelSpec(**best.parallel), cluster)
+    assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- collectives (NCCL's cost model)
+def test_all_reduce_follows_nccl_protocols_by_message_size():
+    """8 A100 on NVSwitch: a latency floor of ~10 us for tiny messages (the tree with LL: NCCL base 6.8 us +
+    6 hops x 0.6 us), and the ring's full bus bandwidth (300 GB/s x 0.78) for large ones."""
+    node = parse_cluster("a100-80gb:1x8").node
+    tiny = float(coll.all_reduce_s(8.0, 8, 8, node))
+    assert tiny == pytest.approx(6.6e-6 + 6 * 3.4e-6 * 0.6 / 3.4 + 2 * 8 * 1.1 / 234e9 / 0.5, rel=1e-9)
+    sizes = np.array([2.0**k for k in range(10, 34, 2)])
+    times = coll.all_reduce_s(sizes, 8, 8, node)
+    bus = 2 * 7 / 8 * sizes / times
+    assert np.all(np.diff(bus) > 0)  # nccl-tests: bus bandwidth rises with the message size
+    assert bus[-1] == pytest.approx(234e9, rel=0.01)
+    assert bus[5] < 0.6 * 234e9  # 4 MiB: still well short of the peak
+    # the Simple protocol for a 1 GiB ring: base 8.4 us + 14 hops x 3.4 us + bytes at the full bus bandwidth
+    big = 2.0**30
+    assert float(coll.ring_all_reduce_s(big, 8, 8, node)) == pytest.approx(
+        8.4e-6 + 14 * 3.4e-6 + 2 * 7 / 8 * big / 234e9, rel=1e-9)
+
+
+def test_gloo_loopback_is_plain_alpha_beta():
+    from dataclasses import replace
+
+    node = parse_cluster("a100-80gb:1x8").node
+    plain = replace(node, intra=replace(node.intra, nccl=False))
+    assert float(coll.ring_all_reduce_s(1e6, 4, 4, plain)) == pytest.approx(
+        6 * node.intra.alpha_s + 2 * 3 / 4 * 1e6 / node.intra.achieved_bytes_per_s, rel=1e-12)
+
+
+def test_a_tiny_gemm_is_launch_bound():
+    """A 64 x 64 x 64 GEMM is 0.5 MFLOP: nanoseconds of tensor-core work, but no kernel ends before its launch."""
+    a100 = load_catalogue().devices["a100-80gb"]
+    assert float(compute.gemm_s(64, 64, 64, a100, 312e12)) == a100.efficiency.kernel_overhead_s == 4e-6
+    big = float(compute.gemm_s(8192, 8192, 8192, a100, 312e12))
+    assert big > 100 * a100.efficiency.kernel_overhead_s  # the floor never touches real GEMMs
+
+
+def _cli_json(*args: str):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ddlscope.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--json", "--db", "no-such-store.db"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+MOE_FLAGS = ("--hidden", "2048", "--heads", "16", "--layers", "8", "--seq", "8192", "--vocab", "32000",
+             "--global-batch", "64", "--experts", "8", "--top-k", "2", "--expert-imbalance", "1.3")
+
+
+def test_predict_and_plan_take_experts_and_context_parallel_from_the_command_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = _cli_json("predict", "--cluster", "h100:2x8", *MOE_FLAGS, "--ep", "4", "--cp", "2")
+    assert p["parallel"]["ep"] == 4 and p["parallel"]["cp"] == 2 and p["parallel"]["dp"] == 8
+    assert p["model"]["experts"] == 8 and p["model"]["expert_imbalance"] == 1.3
+    assert p["breakdown_s"]["ep_all_to_all"] > 0
+    low, high = p["range"]["step_time_s"]
+    assert low < p["step_time_s"] < high
+    parts = sum(v for k, v in p["breakdown_s"].items() if k != "recompute_included")
+    assert parts == pytest.approx(p["step_time_s"], rel=1e-12)
+    plan = _cli_json("plan", "--cluster", "h100:2x8", *MOE_FLAGS, "--top", "3")
+    assert len(plan["top"]) == 3 and plan["evaluated"] > 1000
+    for row in plan["top"]:
+        q = row["parallel"]
+        assert q["tp"] * q["cp"] * q["pp"] * q["dp"] == 16
+
+
+def test_context_parallel_of_three_prices_a_third_of_the_tokens_exactly():
+    model = ModelSpec(hidden=1024, heads=8, layers=4, seq=6144, vocab=32000, global_batch=6)
+    cluster = parse_cluster("a100-80gb:1x6")
+    cp3, _ = _one(model, cluster, cp=3, dp=2, micro_batch=3)
+    cp1, _ = _one(model, cluster, cp=1, dp=6, micro_batch=1)
+    assert float(cp3["compute_s"][0]) == pytest.approx(float(cp1["compute_s"][0]), rel=1e-12)
