@@ -133,6 +133,9 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     curve = profile["compute"]["memory_curve"]  # copy rates by size, the largest the bandwidth above
     assert curve["bytes_moved"] == sorted(curve["bytes_moved"]) and min(curve["bytes_per_s"]) > 1e8
     assert curve["bytes_per_s"][-1] == profile["compute"]["memory_bandwidth_bytes_per_s"]
+    conv = profile["compute"]["conv"]  # convolutions by channel count; few channels vectorise worst
+    assert conv["channels"] == sorted(conv["channels"]) and len(conv["flops"]) == len(conv["channels"])
+    assert 1e8 < conv["flops"][0] < max(conv["flops"])
     entry = profile["collectives"]["ws2"]
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"):
         assert {"alpha_s", "beta_bytes_per_s", "r2", "r2_all", "sizes", "seconds"} <= set(entry[op])
@@ -191,3 +194,22 @@ def test_launched_processes_get_threads_per_rank(monkeypatch):
     assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 2, run_id="test-threads") == {0: "1", 1: "1"}
     assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 1, run_id="test-threads", threads_per_rank=2) == {0: "2"}
     assert os.environ["OMP_NUM_THREADS"] == "7"
+
+
+def test_convolutions_are_priced_at_the_calibrated_convolution_rate_of_their_channel_count():
+    """A step's matmuls at the matmul curve, its convolution GEMMs at the convolution curve by output
+    channels per group (log-linear between probes); an older calibration without the probe prices them
+    as matmuls of their effective size."""
+    from ddlscope.calibrate.model import gemm_time_s
+    from ddlscope.calibrate.profile import CalibrationProfile
+
+    compute = {"peak_flops": 1e11, "matmul": {"sizes": [64, 512], "flops": [5e10, 1e11], "peak_flops": 1e11}}
+    facts = {"flops": 8e9 + 3e9, "gemm_flops": [8e9], "gemm_size": [512.0],
+             "conv_flops": [1e9, 2e9], "conv_channels": [16, 64], "conv_size": [512.0, 512.0]}
+    with_conv = CalibrationProfile.coerce({"collectives": {}, "compute": {**compute, "conv": {"channels": [8, 16, 32, 64],
+                                                                            "flops": [1e10, 2e10, 4e10, 5e10]}}})
+    assert gemm_time_s(facts, with_conv.compute) == pytest.approx(8e9 / 1e11 + 1e9 / 2e10 + 2e9 / 5e10)
+    between = {**facts, "conv_channels": [16, 45.254834]}  # sqrt(32 x 64): halfway on the log scale
+    assert gemm_time_s(between, with_conv.compute) == pytest.approx(0.08 + 0.05 + 2e9 / 4.5e10)
+    older = CalibrationProfile.coerce({"collectives": {}, "compute": compute})
+    assert gemm_time_s(facts, older.compute) == pytest.approx(11e9 / 1e11)

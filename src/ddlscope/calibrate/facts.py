@@ -22,8 +22,13 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
     return {
         "flops": step.flops,
         "ops": step.ops.ops,
-        "gemm_flops": [mm.flops for mm in step.ops.matmuls],  # per matmul of the step (forward + backward)
-        "gemm_size": [mm.effective_size for mm in step.ops.matmuls],  # its effective square size (m k n)^(1/3)
+        "gemm_flops": [mm.flops for mm in step.ops.matmuls if not mm.conv],  # per matmul (forward + backward)
+        "gemm_size": [mm.effective_size for mm in step.ops.matmuls if not mm.conv],  # effective size (m k n)^(1/3)
+        # each convolution's implicit GEMMs (the step profiler's im2col view), and the output channels
+        # per group of each, which sets the rate a CPU convolution kernel reaches (calibrate/probes.py)
+        "conv_flops": [mm.flops for mm in step.ops.matmuls if mm.conv],
+        "conv_channels": [mm.n for mm in step.ops.matmuls if mm.conv],
+        "conv_size": [mm.effective_size for mm in step.ops.matmuls if mm.conv],
         "other_op_bytes": step.ops.other_op_bytes,  # bytes moved by the step's non-matmul ops
         "param_numel": list(step.param_numel),
         "param_dim0": list(step.param_dim0),

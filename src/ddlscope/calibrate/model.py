@@ -110,7 +110,21 @@ def sync_at(sync: SyncProbe | None, alone_s: float) -> tuple[float, float]:
 def matmul_flops_at(compute: Compute, size: float) -> float:
     """Calibrated fp32 FLOP/s of a matmul of effective square size `size` (log-linear between sizes)."""
     matmul = required(compute.matmul, "matmul")
-    sizes, rates = required(matmul.sizes, "matmul sizes"), required(matmul.flops, "matmul flops")
+    return rate_at(required(matmul.sizes, "matmul sizes"), required(matmul.flops, "matmul flops"), size)
+
+
+def conv_flops_at(compute: Compute, channels: float, size: float) -> float:
+    """Calibrated FLOP/s of a convolution GEMM with `channels` output channels per group; the matmul
+    rate at its effective `size` where the calibration predates the convolution probe."""
+    conv = compute.conv
+    if conv is None or not conv.channels or not conv.flops:
+        return matmul_flops_at(compute, size)
+    return rate_at(conv.channels, conv.flops, channels)
+
+
+def rate_at(sizes: list[float], rates: list[float], size: float) -> float:
+    """A probe's rate at `size`: log-linear between measured sizes, proportional to size below the
+    smallest (per-call overhead dominates there), the largest size's rate above."""
     if size <= sizes[0]:  # below the smallest size measured: per-call overhead dominates, rate ~ size
         return float(rates[0]) * max(size / sizes[0], 0.05)
     if size >= sizes[-1]:
@@ -123,14 +137,18 @@ def matmul_flops_at(compute: Compute, size: float) -> float:
 
 
 def gemm_time_s(facts: dict[str, Any], compute: Compute) -> float:
-    """FLOPs / calibrated FLOP/s: each matmul at the rate of its size, the rest at the matmul peak."""
+    """FLOPs / calibrated FLOP/s: each matmul at the rate of its size, each convolution's implicit GEMMs at
+    the convolution rate of theirs, the rest at the matmul peak."""
     gemm_flops, gemm_size = facts.get("gemm_flops", []), facts.get("gemm_size", [])
     matmul = required(compute.matmul, "matmul")
     peak = float(required(matmul.peak_flops, "matmul peak_flops"))
     if matmul.sizes is None or not gemm_flops:
         return facts["flops"] / peak
     t = sum(f / matmul_flops_at(compute, n) for f, n in zip(gemm_flops, gemm_size))
-    return t + max(0.0, facts["flops"] - sum(gemm_flops)) / peak
+    conv_flops = facts.get("conv_flops", [])
+    t += sum(f / conv_flops_at(compute, c, n)
+             for f, c, n in zip(conv_flops, facts.get("conv_channels", []), facts.get("conv_size", [])))
+    return t + max(0.0, facts["flops"] - sum(gemm_flops) - sum(conv_flops)) / peak
 
 
 def emulated_link(environment: dict[str, Any]) -> tuple[float, float] | None:

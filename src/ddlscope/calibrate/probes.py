@@ -57,6 +57,10 @@ from ddlscope.calibrate.fit import fit_matmul
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 MATMUL_SIZES = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
 QUICK_MATMUL_SIZES = (64, 128, 256, 512)
+# Convolutions by channel count: 3x3, C -> C channels, on 16 images of 16x16 (4,096 output positions,
+# a CIFAR CNN's middle stage at a rank's batch).
+CONV_CHANNELS = (4, 8, 16, 32, 64, 128, 256)
+CONV_BATCH, CONV_PX = 16, 16
 
 
 # --------------------------------------------------------------------------- compute (this process)
@@ -89,6 +93,27 @@ def _copy_rate(copied_bytes: int, repeats: int) -> float:
     return 2 * copied_bytes / _median_time(lambda: dst.copy_(src), repeats, inner)
 
 
+def measure_convolutions(quick: bool) -> dict[str, Any]:
+    """FLOP/s of 3x3 convolutions, forward + input and weight gradients, by channel count.
+
+    oneDNN (and cuDNN) run a convolution as an implicit GEMM of (N H W) x (9 C) @ (9 C x C), but not at
+    the rate a plain matmul of that size reaches, and the channel count more than the GEMM's size
+    sets how well a CPU kernel vectorises: measured here (one thread, a shared machine) 7 GFLOP/s at
+    4 channels, 24 at 8, about 75 at 16 and 115-145 from 32 on, against 140-170 for matmuls of the
+    same effective size. The step's convolutions are priced from this curve (calibrate/model.py).
+    """
+    import torch
+
+    channels, flops = [], []
+    for c in CONV_CHANNELS:
+        conv = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        x = torch.randn(CONV_BATCH, c, CONV_PX, CONV_PX, requires_grad=True)
+        seconds = _median_time(lambda: conv(x).sum().backward(), 3 if quick else 7)
+        channels.append(c)
+        flops.append(3 * 2.0 * CONV_BATCH * CONV_PX**2 * 9 * c * c / seconds)
+    return {"channels": channels, "flops": flops}
+
+
 def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
     import torch
 
@@ -109,6 +134,7 @@ def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
             bf16 = {"size": n, "flops": 2 * n**3 / _median_time(lambda: a @ b, 5)}
         except RuntimeError:
             pass
+        conv = measure_convolutions(quick)
         op_s, optimizer_tensor_s = measure_overheads(quick)
         memory_curve = {"bytes_moved": [], "bytes_per_s": []}
         for copied in MEMORY_COPY_BYTES:
@@ -121,6 +147,7 @@ def measure_compute(quick: bool, threads: int = 1) -> dict[str, Any]:
         "matmul": {"sizes": sizes, "seconds": seconds, "flops": [2 * n**3 / s for n, s in zip(sizes, seconds)],
                    **fit},
         "peak_flops": max(2 * n**3 / s for n, s in zip(sizes, seconds)),
+        "conv": conv,
         "bf16": bf16,
         "op_overhead_s": op_s,
         "optimizer_tensor_s": optimizer_tensor_s,

@@ -71,6 +71,13 @@ class MatmulFit(_Table):
     r2: Number | None = None
 
 
+class ConvCurve(_Table):
+    """3x3 fp32 convolutions (C -> C channels, 16 images of 16x16), forward + both gradients, by C."""
+
+    channels: Numbers | None = None  # ascending
+    flops: Numbers | None = None  # achieved FLOP/s per channel count
+
+
 class Bf16Matmul(_Table):
     size: int | None = None
     flops: Number | None = None
@@ -84,6 +91,7 @@ class MemoryCurve(_Table):
 class Compute(_Table):
     threads: int | None = None
     matmul: MatmulFit | None = None
+    conv: ConvCurve | None = None  # absent in calibrations before it: convolutions then run at the matmul rates
     peak_flops: Number | None = None  # the best achieved matmul FLOP/s
     bf16: Bf16Matmul | None = None  # empty where the CPU has no bf16 matmul
     op_overhead_s: Number | None = None

@@ -53,6 +53,7 @@ class Matmul:
     m: int
     k: int
     n: int
+    conv: bool = False  # a convolution's implicit GEMM (priced at the calibrated convolution rate)
 
     @property
     def flops(self) -> float:
@@ -339,7 +340,7 @@ def _conv_as_gemms(name: str, args: tuple[Any, ...], out: Any) -> list[Matmul]:
     rows = y.shape[0] * math.prod(y.shape[2:])  # N x output positions
     reduction = math.prod(weight.shape[1:])  # C_in / g x kernel positions
     channels = weight.shape[0] // groups  # C_out / g
-    return [Matmul(batch=groups, m=rows, k=reduction, n=channels) for w in wanted if w]
+    return [Matmul(batch=groups, m=rows, k=reduction, n=channels, conv=True) for w in wanted if w]
 
 
 # --------------------------------------------------------------------------- helpers
