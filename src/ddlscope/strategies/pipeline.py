@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.utils.checkpoint import checkpoint
 
 from ddlscope.specs.strategies.pipeline import PipelineSpec, stage_ranges
 from ddlscope.strategies import RUNTIMES
@@ -56,12 +57,18 @@ class StageModule(nn.Module):
     """Consecutive layers of the model; submodule names are the layers' indices, so names are unique
     across ranks."""
 
-    def __init__(self, layers: list[nn.Module], start: int, stop: int):
+    def __init__(self, layers: list[nn.Module], start: int, stop: int, recompute: bool = False):
         super().__init__()
-        self.start = start
+        self.start, self.recompute = start, recompute
         self.layers = nn.ModuleDict({str(i): layers[i] for i in range(start, stop)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            # keep only the input; the layers run again during this stage's backward
+            return checkpoint(self._run, x, use_reentrant=False)
+        return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers.values():
             x = layer(x)
         return x
@@ -94,7 +101,7 @@ class Pipeline(Strategy):
         # Names in the single-process model, to give back its state dict (parameters and buffers).
         self._names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
         self._order = list(self._names.values())
-        chunks = [StageModule(layers, *ranges[s]) for s in self.mine]
+        chunks = [StageModule(layers, *ranges[s], recompute=s in self.spec.recompute) for s in self.mine]
         kept = {id(p) for chunk in chunks for p in chunk.parameters()}
         for i, layer in enumerate(layers):  # release what other ranks hold
             if not any(lo <= i < hi for lo, hi in (ranges[s] for s in self.mine)):

@@ -47,6 +47,10 @@ class PipelineSpec(StrategySpec):
         description="cut points into the layer sequence (GPT: 0 = embedding, 1..L = blocks, L+1 = head): "
                     "stages x chunks - 1 increasing indices where a stage starts; empty: equal blocks per stage")
 
+    recompute: list[int] = Field(
+        default_factory=list, description="stages (indices) that keep only their input per micro-batch and "
+                                          "recompute their activations in backward (torch.utils.checkpoint)")
+
     @model_validator(mode="after")
     def _schedule_fits_chunks(self) -> "PipelineSpec":
         if self.schedule == "interleaved" and self.chunks < 2:
@@ -72,6 +76,8 @@ class PipelineSpec(StrategySpec):
         elif stages > layers:
             raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: {stages} stages for {layers} blocks; "
                               "the equal-layer default needs a block per stage (give strategy.partition)")
+        if any(not 0 <= s < stages for s in self.recompute):
+            raise ConfigError(f"strategy.recompute = {self.recompute}: stage indices must be within 0..{stages - 1}")
         if exp.workload.batch_size % self.micro_batches:
             raise ConfigError(f"workload.batch_size = {exp.workload.batch_size}: must be divisible by "
                               f"strategy.micro_batches = {self.micro_batches}")
