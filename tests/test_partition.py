@@ -107,3 +107,30 @@ def test_balanced_partition_fits_a_larger_micro_batch_measured(cli, db_rows):
     for plan, label in ((balanced, "balanced"), (equal, "equal")):
         for predicted, got in zip((s.memory_bytes for s in plan.stages), measured[label]):
             assert 0.98 <= predicted / got <= 1.02, (label, predicted, got)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero-bubble", 2)])
+@pytest.mark.parametrize("ranks,micro_batches", [(2, 4), (4, 8), (4, 16)])
+def test_torch_orders_played_out_give_the_formulas_bubble(schedule: str, chunks: int, ranks: int, micro_batches: int):
+    """With equal stages (backward twice forward), the timeline of the order torch runs has the bubble
+    of REFERENCE.md: (p - 1) / m, (p - 1) / (m v) interleaved, and a third of that for zero-bubble."""
+    from ddlscope.predict.partition import bubble_fraction
+    from ddlscope.predict.schedule_sim import simulate
+    from ddlscope.studies.modelparallel import _durations, _orders
+
+    stages = ranks * chunks
+    orders = _orders(schedule, ranks, micro_batches, chunks)
+    assert sorted(a for order in orders for a in order if a[0] == "F") == sorted(
+        ("F", s, i) for s in range(stages) for i in range(micro_batches))  # every forward, once
+    timeline = simulate(orders, _durations([1.0 / chunks] * stages, [2.0 / chunks] * stages), stages)
+    assert timeline.bubble_fraction() == pytest.approx(bubble_fraction(ranks, micro_batches, chunks, schedule),
+                                                       rel=1e-9)
+    assert timeline.makespan_s == pytest.approx(3.0 * micro_batches * (1 + timeline.bubble_fraction()), rel=1e-9)
+
+
+def test_an_order_that_waits_on_itself_is_refused():
+    from ddlscope.predict.schedule_sim import simulate
+
+    # rank 0 runs stage 0's backward before rank 1 has run stage 1's, which waits on stage 0's forward
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate([[("B", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("B", 1, 0)]], lambda a: 1.0, 2)

@@ -249,7 +249,8 @@ class LayerProfile:
     """One pipeline layer (model.pipeline_layers()) on one micro-batch, measured on a copy of the model."""
 
     name: str
-    forward_s: float  # median of `repeats` timed forwards (the last layer's includes the loss)
+    # medians of `repeats` runs, in thread CPU time: what the layer costs, not what else ran on the machine
+    forward_s: float  # the last layer's includes the loss
     backward_s: float
     param_bytes: int
     activation_bytes: int  # what autograd saves for this layer's backward, parameters excluded
@@ -272,12 +273,12 @@ def profile_layers(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, repe
         meter = ActivationMeter(layer)
         times = []
         for repeat in range(repeats):
-            began = time.perf_counter()
+            began = time.thread_time()
             with meter.measure() if repeat == repeats - 1 else _no_meter():
                 out = layer(leaf)
                 if i == len(layers) - 1:
                     out = loss_fn(out, y)
-            times.append(time.perf_counter() - began)
+            times.append(time.thread_time() - began)
         inputs.append(leaf)
         outputs.append(out)
         metered.append(meter.bytes)
@@ -288,9 +289,9 @@ def profile_layers(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, repe
     for i in reversed(range(len(layers))):
         times = []
         for repeat in range(repeats):
-            began = time.perf_counter()
+            began = time.thread_time()
             torch.autograd.backward(outputs[i], grad, retain_graph=repeat < repeats - 1)
-            times.append(time.perf_counter() - began)
+            times.append(time.thread_time() - began)
         backward_s[i] = statistics.median(times)
         grad = inputs[i].grad
     return [LayerProfile(name=type(layer).__name__ + (f" {i - 1}" if 0 < i < len(layers) - 1 else ""),

@@ -7,7 +7,7 @@ from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
     ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors)
 from ddlscope.predict.partition import bubble_fraction, in_flight
-from ddlscope.calibrate.model import message_s
+from ddlscope.calibrate.model import machine_probe, sync_at
 from ddlscope.specs.strategies.pipeline import PipelineSpec
 
 
@@ -41,6 +41,13 @@ class PipelineEstimator(Estimator):
         held = in_flight(0, p, m, "gpipe" if spec.schedule == "gpipe" else "1f1b")
         return case.replicated_state_bytes / p + case.activation_bytes * held / m, None
 
+    def local_compute_stretch(self, spec: PipelineSpec, case: LocalCase) -> float | None:
+        """A rank computes its stages only: 1/p of the model (on the whole batch, which is what the facts
+        profile for a strategy that does not split the batch), stretched as the synchronisation probe
+        measured ranks computing side by side."""
+        stretch = sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0]
+        return stretch / case.world
+
     def local_optimizer_bytes(self, spec: PipelineSpec, case: LocalCase) -> float:
         return case.param_bytes / case.world
 
@@ -50,11 +57,9 @@ class PipelineEstimator(Estimator):
                            "optimizer": int(case.param_bytes / case.world) * state_tensors(case)}}
 
     def local_comm(self, spec: PipelineSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        """The bubble as waiting, on the compute the local model gives one rank, plus the activation
-        and gradient sends between stages (two per micro-batch per boundary)."""
+        """The bubble, as waiting, on the compute the local model gives one rank. The sends between
+        stages are left out (on loopback they are a small part of the waits; docs/modelparallel.md)."""
         idle_s = (step.forward_s + step.backward_s) * bubble_fraction(case.world, spec.micro_batches, spec.chunks,
                                                                       spec.schedule)
-        act = float(case.facts.get("boundary_activation_bytes", 0.0)) / spec.micro_batches
-        sends_s = 2 * spec.micro_batches * spec.chunks * message_s(case.profile, "p2p", act, 2, case.link) if act else 0.0
-        notes = [] if act else ["pipeline: the facts hold no boundary activation size; sends not priced"]
-        return LocalComm(idle_s + sends_s, notes=notes)
+        return LocalComm(idle_s, notes=["pipeline: the bubble priced from the schedule's formula; the sends "
+                                        "between stages are not priced"])
