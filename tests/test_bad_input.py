@@ -69,6 +69,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                                       "--set", "strategy.micro_batches=5"], "strategy.micro_batches"),
     "partition-bad-size": (["partition", "--workload", "gpt-synthetic", "--memory-limit", "lots"], "--memory-limit"),
     "partition-stages-over-blocks": (["partition", "--workload", "gpt-synthetic", "--stages", "3"], "--stages 3"),
+    "pipeline-checkpoints": (["run", "--strategy", "pipeline", "--workload", "gpt-synthetic",
+                              "--set", "checkpoint_every=2"], "checkpoint_every"),
     "interleaved-one-chunk": (["run", "--strategy", "pipeline", "--set", "strategy.schedule=interleaved"],
                               "chunks >= 2"),
     "heads-not-dividing-hidden": (["run", "-w", "gpt-synthetic", "--set", "workload.heads=3"], "heads = 3"),

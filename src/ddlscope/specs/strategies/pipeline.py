@@ -65,6 +65,9 @@ class PipelineSpec(StrategySpec):
         if not isinstance(layers, int) or not hasattr(exp.workload, "heads"):
             raise ConfigError(f"workload.name = {exp.workload.name!r}: strategy pipeline splits a transformer "
                               "into stages; use a GPT workload (gpt-char, gpt-synthetic)")
+        if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:
+            raise ConfigError("checkpoint_every: strategy pipeline does not checkpoint yet (each rank holds other "
+                              "layers); drop checkpoints and cluster.max_restarts")
         stages = exp.cluster.world_size * self.chunks
         units = layers + EXTRA_LAYERS
         if stages > units:
