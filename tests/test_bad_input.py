@@ -71,6 +71,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "partition-stages-over-blocks": (["partition", "--workload", "gpt-synthetic", "--stages", "3"], "--stages 3"),
     "pipeline-checkpoints": (["run", "--strategy", "pipeline", "--workload", "gpt-synthetic",
                               "--set", "checkpoint_every=2"], "checkpoint_every"),
+    "tp-heads-not-divisible": (["run", "--strategy", "tp", "--workload", "gpt-synthetic", "--world-size", "3",
+                                "--batch-size", "33"], "cluster.world_size"),
     "interleaved-one-chunk": (["run", "--strategy", "pipeline", "--set", "strategy.schedule=interleaved"],
                               "chunks >= 2"),
     "heads-not-dividing-hidden": (["run", "-w", "gpt-synthetic", "--set", "workload.heads=3"], "heads = 3"),

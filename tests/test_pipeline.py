@@ -1,5 +1,6 @@
 """`pipeline` on torch.distributed.pipelining: every schedule trains like one process, and its measured
-bubble and in-flight activations follow REFERENCE.md.
+bubble and in-flight activations follow REFERENCE.md; `tp` (DTensor tensor parallel) trains like one
+process too and holds 1/t of each block's weights.
 
 Two ranks run the runtime's own loop (runtime/loop.py: train) with the Pipeline strategy, all schedules
 one after another in one process group, so the suite starts processes once; the one-process reference
@@ -37,11 +38,14 @@ EQUAL = {"workload.name": "gpt-synthetic", "workload.layers": 4, "workload.hidde
 TIMED = {**EQUAL, "workload.hidden": 192, "workload.seq_len": 64, "workload.batch_size": 32, "workload.steps": 6}
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero-bubble": 2}
 MICRO_BATCHES = 4
+MAX_STRETCH = 1.3  # wall-clock compute over thread CPU time past which the machine is too busy to time a bubble
 
 
 def _overrides(base: dict, schedule: str | None) -> dict:
     if schedule is None:
         return {**base, "strategy.name": "single", "cluster.world_size": 1}
+    if schedule == "tp":
+        return {**base, "strategy.name": "tp", "cluster.world_size": WORLD}
     return {**base, "strategy.name": "pipeline", "cluster.world_size": WORLD, "strategy.schedule": schedule,
             "strategy.chunks": SCHEDULES[schedule], "strategy.micro_batches": MICRO_BATCHES}
 
@@ -64,7 +68,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         for kind, base in (("equal", EQUAL), ("timed", TIMED)):
-            for schedule in SCHEDULES:
+            for schedule in (*SCHEDULES, "tp") if kind == "equal" else SCHEDULES:
                 name = f"{kind}-{schedule}"
                 state, records = _train(_overrides(base, schedule), rank, WORLD, Path(out) / f"{name}-{rank}.jsonl")
                 if rank == 0:
@@ -95,8 +99,9 @@ def _records(out: Path, name: str, kind: str) -> list[dict]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "tp"])
 def test_every_schedule_trains_like_one_process(runs: Path, schedule: str):
+    """Every pipeline schedule, and tensor parallelism (`tp`), on the same batches as one process."""
     single, piped = torch.load(runs / "single.pt"), torch.load(runs / f"equal-{schedule}.pt")
     assert list(piped) == list(single)  # the whole model, under the single-process names, in order
     initial = WORKLOADS.get("gpt-synthetic").build(load_experiment(None, _overrides(EQUAL, None)).workload, 5)
@@ -133,8 +138,18 @@ def _bubble(runs: Path, schedule: str) -> tuple[float, list[list[float]]]:
 def test_measured_bubble_is_the_schedules_fraction(runs: Path, schedule: str):
     v = SCHEDULES[schedule]
     expected = (WORLD - 1) / (MICRO_BATCHES * v)  # REFERENCE.md: (p - 1) / m, interleaved (p - 1) / (m v)
+    _skip_when_cores_are_busy(runs, schedule)
     measured, per_rank = _bubble(runs, schedule)
     assert 0.75 * expected <= measured <= 1.25 * expected, (measured, per_rank)
+
+
+def _skip_when_cores_are_busy(runs: Path, schedule: str) -> None:
+    """The bubble check needs compute to dominate the waits: on cores other processes keep busy, a rank's
+    compute stretches past its CPU time and every wait adds the wake-up of a descheduled rank."""
+    rows = [r for rank in range(WORLD) for r in _records(runs, f"timed-{schedule}-{rank}", "step") if r["step"] >= 1]
+    stretch = sum(r["forward_s"] + r["backward_s"] for r in rows) / sum(r["compute_cpu_s"] for r in rows)
+    if stretch > MAX_STRETCH:
+        pytest.skip(f"the ranks' compute took {stretch:.2f}x its CPU time: the cores are shared with other work")
 
 
 @pytest.mark.timeout(240)
@@ -149,3 +164,17 @@ def test_in_flight_activations_gpipe_m_1f1b_p_minus_stage(runs: Path):
             for s in ("gpipe", "1f1b") for rank in range(WORLD)}
     assert peak[("gpipe", 0)] / peak[("1f1b", 0)] == pytest.approx(MICRO_BATCHES / WORLD, rel=0.05)
     assert peak[("gpipe", 1)] / peak[("1f1b", 1)] == pytest.approx(MICRO_BATCHES / 1, rel=0.05)
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_shards_the_blocks(runs: Path):
+    """Each rank holds 1/t of every block's weights and all of the embeddings, norms and head."""
+    single = torch.load(runs / "single.pt")
+    # split: the QKV and fc weights and biases (colwise), the projections' weights (rowwise); their
+    # biases are added after the all-reduce, so replicated, like the norms
+    blocks = sum(t.numel() for n, t in single.items()
+                 if n.startswith("blocks.") and ".ln_" not in n and not n.endswith("proj.bias"))
+    rest = sum(t.numel() for n, t in single.items()) - blocks
+    for rank in range(WORLD):
+        memory = _records(runs, f"equal-tp-{rank}", "memory")[0]["bytes"]
+        assert memory["parameters"] == 4 * (blocks // WORLD + rest)

@@ -86,7 +86,7 @@ class ActivationMeter:
     def _pack(self, t: Tensor) -> Any:
         if t.device.type == "meta":
             return t
-        ptr, nbytes = _storage_key(t)
+        ptr, nbytes = _storage_key(local_tensor(t))  # a DTensor (tensor parallel) holds its shard
         # Parameters are looked up at pack time: a sharded model swaps in gathered,
         # unsharded weights only while a unit runs, and those are model state too.
         if ptr in self._param_ptrs or ptr in self._current_param_ptrs():

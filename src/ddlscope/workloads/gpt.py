@@ -45,11 +45,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq, hidden = x.shape
+        qkv = self.qkv(x)
+        # Widths from qkv's output, not from x: under tensor parallelism a rank computes only its
+        # `heads` (set to heads / t) and qkv gives 3 C / t columns.
+        batch, seq, width = qkv.shape
         # (B, T, 3C) -> three (B, heads, T, head_dim) tensors
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(batch, seq, 3, self.heads, width // (3 * self.heads)).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, seq, hidden)
+        y = y.transpose(1, 2).reshape(batch, seq, width // 3)
         return self.resid_dropout(self.proj(y))
 
 
