@@ -178,3 +178,23 @@ def test_tensor_parallel_shards_the_blocks(runs: Path):
     for rank in range(WORLD):
         memory = _records(runs, f"equal-tp-{rank}", "memory")[0]["bytes"]
         assert memory["parameters"] == 4 * (blocks // WORLD + rest)
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_activations_follow_korthikanti(runs: Path):
+    """A rank keeps the replicated part of each block's activations whole and the rest 1/t: REFERENCE.md's
+    s b h (10 + 24/t) against 34 s b h without parallelism, applied to the blocks' measured activations
+    (embedding and head are replicated)."""
+    from ddlscope.runtime.profiler import first_batch, profile_layers
+
+    exp = load_experiment(None, _overrides(EQUAL, None))
+    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+    layers = profile_layers(task.model, task.loss_fn, *first_batch(task.train, exp.workload.batch_size), repeats=1)
+    blocks = sum(layer.activation_bytes for layer in layers[1:-1])
+    rest = sum(layer.activation_bytes for layer in layers) - blocks
+    single = _records(runs, "single", "memory")[0]["bytes"]["activations"]
+    assert single == blocks + rest  # the profile counts what the one-process run measured
+    predicted = rest + blocks * (10 + 24 / WORLD) / 34
+    for rank in range(WORLD):
+        measured = _records(runs, f"equal-tp-{rank}", "memory")[0]["bytes"]["activations"]
+        assert 0.95 <= measured / predicted <= 1.05, (measured, predicted)

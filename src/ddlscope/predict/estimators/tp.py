@@ -49,13 +49,20 @@ class TPEstimator(Estimator):
         return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0] / case.world
 
     def local_optimizer_bytes(self, spec: TPSpec, case: LocalCase) -> float:
-        return case.param_bytes / case.world
+        return _rank_param_bytes(case)
 
     def local_memory(self, spec: TPSpec, case: LocalCase) -> dict[str, dict[str, int]]:
-        mine = int(case.param_bytes / case.world)
+        mine = int(_rank_param_bytes(case))
         return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
 
     def local_comm(self, spec: TPSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         """Four all-reduces per block of the block output (per-rank batch x seq x hidden, fp32); the facts
         do not hold those sizes, so this prices them from the gemm count: not priced, noted."""
         return LocalComm(0.0, notes=["tp: the activation all-reduces are not priced on this machine yet"])
+
+
+def _rank_param_bytes(case: LocalCase) -> float:
+    """The blocks (the facts' FSDP units) split t ways, the rest (embeddings, final norm, head: the root)
+    whole; the blocks' norms and rowwise biases, replicated too, are left in the split (small)."""
+    units = case.facts["fsdp_units"]
+    return sum(units[:-1]) / case.world + units[-1]
