@@ -22,8 +22,10 @@ def cells():
 def test_quick_cells(cells):
     keys = [c.key for c in cells]
     assert keys == ["pp/gpipe/m4", "pp/1f1b/m4", "pp/1f1b/m8", "pp/interleaved/m4/v2", "pp/zero-bubble/m4/v2",
-                    "pp/1f1b/m4/recompute", "memory/balanced", "memory/equal"]
-    assert all(c.experiment.cluster.world_size == 2 and c.experiment.strategy.name == "pipeline" for c in cells)
+                    "pp/1f1b/m4/recompute", "tp/t2", "single", "memory/balanced", "memory/equal"]
+    assert all(c.experiment.cluster.world_size == 2 and c.experiment.strategy.name == "pipeline"
+               for c in cells if c.key.startswith(("pp/", "memory/")))
+    assert [c.experiment.strategy.name for c in cells if c.labels["part"] in ("tp", "reference")] == ["tp", "single"]
     plan = memory_plan()
     assert plan.balanced_micro_batch > plan.equal_micro_batch > 0
     assert plan.recompute_micro_batch >= plan.balanced_micro_batch
@@ -51,6 +53,8 @@ def _results(cells, bubble_scale: float = 1.0) -> list[CellResult]:
             peak = 100 * (labels["m"] if labels["schedule"] == "gpipe" else 2)
             compute = 1.3 if labels["recompute"] else 1.0
             summary = _summary(compute, compute * fraction * bubble_scale, peak, compute * (1 + fraction))
+        elif labels["part"] in ("tp", "reference"):
+            summary = _summary(1.0, 0.0, 0, 1.0, {rank: {"activations": 1000} for rank in range(2)})
         else:
             cuts = plan.balanced_cuts if labels["partition"] == "balanced" else plan.equal_cuts
             stages = plan_of_cuts(plan.layers, cuts, MEMORY_MICRO_BATCHES, "1f1b", None, plan.state_factor).stages

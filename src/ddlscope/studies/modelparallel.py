@@ -48,6 +48,14 @@ def schedule_cell(schedule: str, micro_batches: int, chunks: int = 1, recompute:
                             "recompute": bool(recompute)}, _raw(TIMED, strategy))
 
 
+def tp_cells() -> list[Cell]:
+    """Tensor parallel on the schedules' GPT, and one process on it (the activations' reference)."""
+    tp = _raw(TIMED, {})
+    tp["strategy"] = {"name": "tp"}
+    single = {**_raw(TIMED, {}), "strategy": {"name": "single"}, "cluster": {"world_size": 1}}
+    return [build_cell("tp/t2", {"part": "tp"}, tp), build_cell("single", {"part": "reference"}, single)]
+
+
 def memory_cells() -> list[Cell]:
     """The balanced and the equal-layer partition, both at the balanced one's largest micro-batch."""
     plan = memory_plan()
@@ -105,7 +113,7 @@ class ModelParallelStudy(Study):
             cells = [schedule_cell(s, m) for s in ("gpipe", "1f1b") for m in (2, 4, 8, 16)]
             cells += [schedule_cell(s, m, 2) for s in ("interleaved", "zero-bubble") for m in (4, 8)]
             cells += [schedule_cell("1f1b", 4, recompute=[0]), schedule_cell("1f1b", 4, recompute=[0, 1])]
-        return cells + memory_cells()
+        return cells + tp_cells() + memory_cells()
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
         return _Analysis(results).findings()
@@ -148,7 +156,7 @@ class _Analysis:
     # ------------------------------------------------------------------ findings
     def findings(self) -> Findings:
         headlines = [h for h in (self._bubble(), self._step(), self._in_flight(), self._recompute(),
-                                 self._memory()) if h]
+                                 self._tp_activations(), self._memory()) if h]
         decisions = self._decisions()
         notes = measurement_notes(self.results) + [
             "The bubble is measured as the busiest stage's idle time (waits for its sends and receives, which "
@@ -215,6 +223,23 @@ class _Analysis:
                 "measured": f"compute {compute_cost:+.0%}; step {rec['measured_step_s'] / base['measured_step_s'] - 1:+.0%}",
                 "predicted": f"compute {predicted:+.0%}; step {rec['predicted_step_s'] / base['predicted_step_s'] - 1:+.0%}",
                 "verdict": "activations: the meter does not see what torch.utils.checkpoint keeps (docs/modelparallel.md)"}
+
+    def _tp_activations(self) -> dict[str, str] | None:
+        cells = {r.cell.labels["part"]: r for r in self.results if r.cell.labels["part"] in ("tp", "reference")}
+        if set(cells) != {"tp", "reference"}:
+            return None
+        t = cells["tp"].cell.experiment.cluster.world_size
+        layers = _profile(TIMED["batch_size"])
+        blocks = sum(layer.activation_bytes for layer in layers[1:-1])
+        single = cells["reference"].summary.memory_bytes_by_rank[0]["activations"]
+        # the one-process run's blocks scaled by Korthikanti's (10 + 24/t) / 34; embedding and head replicated
+        predicted = single - blocks + blocks * (10 + 24 / t) / 34
+        measured = [mem["activations"] for _, mem in sorted(cells["tp"].summary.memory_bytes_by_rank.items())]
+        error = max(abs(m / predicted - 1) for m in measured)
+        return {"headline": f"Tensor-parallel activations per rank (t = {t})",
+                "paper": "s b h (10 + 24/t) per layer against 34 s b h (REFERENCE.md, Korthikanti et al. 2022)",
+                "measured": f"{_mibs(measured)} MiB (one process {single / 2**20:.1f})",
+                "predicted": f"{predicted / 2**20:.1f} MiB", "verdict": f"within {error:.1%}"}
 
     def _memory(self) -> dict[str, str] | None:
         cells = {r.cell.labels["partition"]: r for r in self.results if r.cell.labels["part"] == "memory"}

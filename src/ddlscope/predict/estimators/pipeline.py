@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
@@ -36,10 +38,18 @@ class PipelineEstimator(Estimator):
 
     def cluster_memory(self, spec: PipelineSpec, case: ClusterCase) -> tuple[float, float | None]:
         p, m = case.cluster.n_gpus, spec.micro_batches
+        if p * spec.chunks > case.workload.layers:
+            return math.inf, None  # more stages than blocks (the case's units): no such pipeline
         # stage 0's layers (1/p of the model) for the micro-batches it holds: a DP worker's
         # activation_bytes is the whole model on 1/p of the global batch, i.e. 1/p of one global batch
         held = in_flight(0, p, m, "gpipe" if spec.schedule == "gpipe" else "1f1b")
         return case.replicated_state_bytes / p + case.activation_bytes * held / m, None
+
+    def cluster_notes(self, spec: PipelineSpec, case: ClusterCase) -> list[str]:
+        stages = case.cluster.n_gpus * spec.chunks
+        if stages > case.workload.layers:
+            return [f"{stages} stages (one per GPU) but the model has {case.workload.layers} blocks: cannot run"]
+        return []
 
     def local_compute_stretch(self, spec: PipelineSpec, case: LocalCase) -> float | None:
         """A rank computes its stages only: 1/p of the model (on the whole batch, which is what the facts

@@ -3,7 +3,10 @@ activations per block forward and two backward."""
 
 from __future__ import annotations
 
+import math
+
 from ddlscope.calibrate.model import machine_probe, message_s, sync_at
+from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
@@ -23,8 +26,6 @@ class TPEstimator(Estimator):
         compute_s = pst.compute_s(w, case.cluster) * case.stragglers
         global_batch = w.batch_per_worker * t
         activation_bytes = w.activation_bytes_per_sample * global_batch / max(w.layers, 1) / 34 * 2
-        from ddlscope.predict import collectives as coll
-
         per_all_reduce = float(coll.all_reduce_s(activation_bytes, t, min(t, case.cluster.gpus_per_node),
                                                  case.cluster.node))
         comm_s = 4 * max(w.layers, 1) * per_all_reduce
@@ -37,8 +38,16 @@ class TPEstimator(Estimator):
         est.scaling_efficiency = est.speedup_vs_single / t
         return est
 
+    def cluster_notes(self, spec: TPSpec, case: ClusterCase) -> list[str]:
+        if case.cluster.n_gpus > case.cluster.gpus_per_node:
+            return [f"tensor parallel over {case.cluster.n_gpus} GPUs crosses nodes: not modelled (Megatron-LM keeps "
+                    "it within a node; combine with data or pipeline parallelism, `ddlscope plan`)"]
+        return []
+
     def cluster_memory(self, spec: TPSpec, case: ClusterCase) -> tuple[float, float | None]:
         t = case.cluster.n_gpus
+        if t > case.cluster.gpus_per_node:
+            return math.inf, None  # see cluster_notes
         # activations: a worker's batch is 1/t of the global one; TP keeps about (10 + 24/t)/34 of the
         # whole batch's per rank (Korthikanti et al. 2022), i.e. t (10 + 24/t)/34 of a worker's
         return case.replicated_state_bytes / t + case.activation_bytes * t * (10 + 24 / t) / 34, None
