@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ddlscope.calibrate.model import machine_probe, message_s, sync_at
+from ddlscope.calibrate.model import machine_probe, sync_at
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
