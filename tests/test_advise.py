@@ -45,7 +45,10 @@ def test_compute_heavy_gpt_on_fast_cluster_recommends_ddp(capsys, tmp_path):
 def test_model_too_big_for_replicas_recommends_fsdp(capsys, tmp_path):
     result = advise_json(capsys, *GPT_BIG, "--cluster", "a10g:2x4", "--db", str(tmp_path / "none.db"))
     s = by_name(result)
-    assert result["recommendation"] == "fsdp"
+    # Of the main study's strategies FSDP wins; a pipeline (a stage per GPU, only activations cross the
+    # slow link) may rank above it.
+    assert result["recommendation"] in ("fsdp", "pipeline")
+    assert s["fsdp"]["rank"] < min(s[name]["rank"] for name in ("ddp", "ps-sync", "ps-async"))
     assert not s["ddp"]["fits"] and s["fsdp"]["fits"]
     assert s["fsdp"]["memory_bytes_per_gpu"] < s["ddp"]["memory_bytes_per_gpu"] / 2
     assert any("do not fit" in r for r in result["reasons"])

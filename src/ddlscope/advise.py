@@ -38,10 +38,20 @@ TIE_TOLERANCE = 0.03
 
 
 def candidates(exp: Experiment) -> list[StrategySpec]:
-    """Every registered multi-process strategy, simplest first: the experiment's own with its knobs,
-    the others with their defaults."""
+    """Every registered multi-process strategy that can train the experiment's workload, simplest first:
+    the experiment's own with its knobs, the others with their defaults."""
     mine = type(exp.strategy)
-    return [exp.strategy if cls is mine else cls() for cls in strategy_specs() if not cls.traits.single_process]
+    specs = [exp.strategy if cls is mine else cls() for cls in strategy_specs() if not cls.traits.single_process]
+    return [spec for spec in specs if spec is exp.strategy or _can_train(spec, exp)]
+
+
+def _can_train(spec: StrategySpec, exp: Experiment) -> bool:
+    """Whether the strategy accepts the workload (e.g. a pipeline needs a model with layers to cut)."""
+    try:
+        spec.check_experiment(exp.model_copy(update={"strategy": spec}))
+    except ConfigError:
+        return False
+    return True
 
 
 def _asynchronous(specs: list[StrategySpec]) -> list[str]:

@@ -62,6 +62,9 @@ class Summary:
     eval_curve: list[dict[str, Any]] = field(default_factory=list)
     final_params_sha256: str | None = None  # hash of the final full parameters (runtime/checkpoint.params_sha256)
     restarts: int = 0  # times the worker group was restarted (elastic) or the run resumed
+    # Each rank's mean phase times (and compute_cpu_s) over the steady steps (a pipeline's stages differ:
+    # compute vs idle).
+    breakdown_mean_s_by_rank: dict[int, dict[str, float]] = field(default_factory=dict)
 
     @property
     def timing_basis(self) -> str:
@@ -100,6 +103,7 @@ class Summary:
         d["memory_bytes_by_rank"] = {str(k): v for k, v in self.memory_bytes_by_rank.items()}
         d["straggler_steps"] = {str(k): v for k, v in self.straggler_steps.items()}
         d["mfu_by_rank"] = {str(k): v for k, v in self.mfu_by_rank.items()}
+        d["breakdown_mean_s_by_rank"] = {str(k): v for k, v in self.breakdown_mean_s_by_rank.items()}
         return d
 
 
@@ -167,6 +171,8 @@ def summarize(store: Store, run: Run) -> Summary:
         cpu_derived_wall_s=max(per_rank_total.values(), default=None),
         staleness=_staleness(store, run), server_busy_fraction=_server_busy_fraction(store, run),
         straggler_steps=_straggler_steps(by_step), notes=_notes(run), eval_curve=curve,
+        breakdown_mean_s_by_rank={rank: {p: statistics.fmean(r[p] for r in steady if r["rank"] == rank)
+                                         for p in (*PHASES, "compute_cpu_s")} for rank in sorted(by_rank)},
     )
     _add_utilization(summary, store, run)
     _add_recovery(summary, store, run)

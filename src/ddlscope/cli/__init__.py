@@ -1,7 +1,7 @@
 """The `ddlscope` command line: the typer app and its entry point.
 
 Each command lives in the module of its group (run, study, catalogue, slurm, report, predict, advise,
-calibrate); what groups share (consoles, --db, --json, the one-line user-error path) is in `common`.
+partition, calibrate); what groups share (consoles, --db, --json, the one-line user-error path) is in `common`.
 This module only puts the commands on the app, in the order `ddlscope --help` lists them.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from ddlscope.cli import advise, calibrate, catalogue, predict, report, run, slurm, study
+from ddlscope.cli import advise, calibrate, catalogue, partition, predict, report, run, slurm, study
 from ddlscope.cli.common import run_app
 
 __all__ = ["COMMANDS", "app", "main"]
@@ -42,6 +42,7 @@ COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("predict", predict.predict_command),
     ("plan", predict.plan_command),
     ("advise", advise.advise_command),
+    ("partition", partition.partition_command),
     ("calibrate", calibrate.calibrate),
     ("predict-run", predict.predict_run),
 )

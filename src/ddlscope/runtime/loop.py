@@ -114,6 +114,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
             loss_value = strategy.train_step((x, y), timer)
         if measuring:
             memory["activations"] = meter.bytes
+            memory["activations_peak"] = meter.peak_bytes
         tracer.after_step(step)
         if measuring:
             memory["optimizer"] = optimizer_state_bytes(optimizer)

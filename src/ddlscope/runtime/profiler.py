@@ -351,3 +351,67 @@ def _device_of(model: nn.Module) -> torch.device:
 def _rng_put_back(device: torch.device) -> Any:
     """Random ops of a real step (dropout) draw from the RNG; training must not see that."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+# --------------------------------------------------------------------------- per layer (the pipeline partitioner)
+@dataclass(frozen=True)
+class LayerProfile:
+    """One pipeline layer (model.pipeline_layers()) on one micro-batch, measured on a copy of the model."""
+
+    name: str
+    # medians of `repeats` runs, in thread CPU time: what the layer costs, not what else ran on the machine
+    forward_s: float  # the last layer's includes the loss
+    backward_s: float
+    param_bytes: int
+    activation_bytes: int  # what autograd saves for this layer's backward, parameters excluded
+    input_bytes: int  # the layer's input (what a recomputed stage keeps per micro-batch)
+
+
+def profile_layers(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, repeats: int = 3) -> list[LayerProfile]:
+    """Time each layer's forward and backward on (x, y) and count its saved activations, layer by layer
+    on a copy: each layer's input is a leaf, so its backward is timed alone with the output's gradient."""
+    import statistics
+    import time
+
+    from ddlscope.runtime.instrument import ActivationMeter
+
+    layers = copy.deepcopy(model).pipeline_layers()
+    inputs, outputs, metered, forward_s = [], [], [], []
+    h: Tensor = x
+    for i, layer in enumerate(layers):
+        leaf = h.detach().requires_grad_(h.is_floating_point())
+        meter = ActivationMeter(layer)
+        times = []
+        for repeat in range(repeats):
+            began = time.thread_time()
+            with meter.measure() if repeat == repeats - 1 else _no_meter():
+                out = layer(leaf)
+                if i == len(layers) - 1:
+                    out = loss_fn(out, y)
+            times.append(time.thread_time() - began)
+        inputs.append(leaf)
+        outputs.append(out)
+        metered.append(meter.bytes)
+        forward_s.append(statistics.median(times))
+        h = out
+    backward_s = [0.0] * len(layers)
+    grad: Tensor | None = None
+    for i in reversed(range(len(layers))):
+        times = []
+        for repeat in range(repeats):
+            began = time.thread_time()
+            torch.autograd.backward(outputs[i], grad, retain_graph=repeat < repeats - 1)
+            times.append(time.thread_time() - began)
+        backward_s[i] = statistics.median(times)
+        grad = inputs[i].grad
+    return [LayerProfile(name=type(layer).__name__ + (f" {i - 1}" if 0 < i < len(layers) - 1 else ""),
+                         forward_s=forward_s[i], backward_s=backward_s[i],
+                         param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                         activation_bytes=metered[i], input_bytes=inputs[i].numel() * inputs[i].element_size())
+            for i, layer in enumerate(layers)]
+
+
+def _no_meter() -> Any:
+    from contextlib import nullcontext
+
+    return nullcontext()

@@ -241,6 +241,7 @@ def check_consistency(exp: Experiment) -> None:
             f"workload.batch_size = {exp.workload.batch_size}: must be divisible by cluster.world_size = {ws} "
             f"for strategy {exp.strategy.name} (each rank takes batch_size / world_size samples)"
         )
+    exp.strategy.check_experiment(exp)
 
 
 for _cls in (WorkloadSpec, NetworkSpec, Fault, Preemption, ClusterSpec, Experiment):

@@ -22,7 +22,7 @@ registered spec has both, and a paragraph in docs/strategies.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import Field
 
@@ -60,6 +60,10 @@ class StrategySpec(Spec):
     def extra_ranks(self) -> int:
         """Processes beyond cluster.world_size training ranks (e.g. parameter servers)."""
         return 0
+
+    def check_experiment(self, exp: Any) -> None:
+        """Refuse (ConfigError, one line) what this strategy cannot run with the experiment's workload
+        and cluster; called by specs.experiment.check_consistency before any process starts."""
 
 
 STRATEGY_SPECS: Registry[type[StrategySpec]] = Registry("strategy")

@@ -45,11 +45,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        batch, seq, hidden = x.shape
+        qkv = self.qkv(x)
+        # Widths from qkv's output, not from x: under tensor parallelism a rank computes only its
+        # `heads` (set to heads / t) and qkv gives 3 C / t columns.
+        batch, seq, width = qkv.shape
         # (B, T, 3C) -> three (B, heads, T, head_dim) tensors
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, hidden // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.view(batch, seq, 3, self.heads, width // (3 * self.heads)).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, seq, hidden)
+        y = y.transpose(1, 2).reshape(batch, seq, width // 3)
         return self.resid_dropout(self.proj(y))
 
 
@@ -75,6 +78,36 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_attn(x))
         return x + self.mlp(self.ln_mlp(x))
+
+
+def _embed(token_emb: nn.Embedding, pos_emb: nn.Embedding, dropout: nn.Module, idx: Tensor) -> Tensor:
+    seq = idx.shape[1]
+    if seq > pos_emb.num_embeddings:
+        raise ValueError(f"sequence length {seq} exceeds the model's seq_len {pos_emb.num_embeddings}")
+    positions = torch.arange(seq, device=idx.device)
+    return dropout(token_emb(idx) + pos_emb(positions))
+
+
+class Embedding(nn.Module):
+    """Token + position embedding: a GPT's first layer as a pipeline stage holds it."""
+
+    def __init__(self, token_emb: nn.Embedding, pos_emb: nn.Embedding, dropout: nn.Module):
+        super().__init__()
+        self.token_emb, self.pos_emb, self.emb_dropout = token_emb, pos_emb, dropout
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return _embed(self.token_emb, self.pos_emb, self.emb_dropout, idx)
+
+
+class Head(nn.Module):
+    """Final LayerNorm + lm_head: a GPT's last layer as a pipeline stage holds it."""
+
+    def __init__(self, ln_final: nn.LayerNorm, lm_head: nn.Linear):
+        super().__init__()
+        self.ln_final, self.lm_head = ln_final, lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lm_head(self.ln_final(x))
 
 
 class GPT(nn.Module):
@@ -103,14 +136,16 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
-        seq = idx.shape[1]
-        if seq > self.cfg.seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.cfg.seq_len}")
-        positions = torch.arange(seq, device=idx.device)
-        x = self.emb_dropout(self.token_emb(idx) + self.pos_emb(positions))
+        x = _embed(self.token_emb, self.pos_emb, self.emb_dropout, idx)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_final(x))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as a sequence of layers a pipeline can cut anywhere: the embedding, each block, the
+        final norm + head. They share this model's parameters; applied in order they are `forward`."""
+        return [Embedding(self.token_emb, self.pos_emb, self.emb_dropout), *self.blocks,
+                Head(self.ln_final, self.lm_head)]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

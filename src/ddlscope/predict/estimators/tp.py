@@ -1,0 +1,77 @@
+"""`tp`: Megatron-LM tensor parallelism within a node: compute split t ways, two all-reduces of the
+activations per block forward and two backward."""
+
+from __future__ import annotations
+
+import math
+
+from ddlscope.calibrate.model import machine_probe, sync_at
+from ddlscope.predict import collectives as coll
+from ddlscope.predict import strategies as pst
+from ddlscope.predict.estimators import ESTIMATORS
+from ddlscope.predict.estimators.base import (
+    ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors)
+from ddlscope.specs.strategies.tp import TPSpec
+
+
+@ESTIMATORS.register(TPSpec)
+class TPEstimator(Estimator):
+    """Every GPU computes 1/t of each layer on the whole global batch: a data-parallel worker's
+    compute, as for the pipeline. The all-reduces move the block's output activations; their size
+    per sample is taken as the case's activation bytes per sample over 34 per layer (Korthikanti's
+    s h b bytes unit), a rough stand-in the cluster case has no better figure for."""
+
+    def cluster(self, spec: TPSpec, case: ClusterCase) -> pst.StrategyEstimate:
+        t, w = case.cluster.n_gpus, case.workload
+        compute_s = pst.compute_s(w, case.cluster) * case.stragglers
+        global_batch = w.batch_per_worker * t
+        activation_bytes = w.activation_bytes_per_sample * global_batch / max(w.layers, 1) / 34 * 2
+        per_all_reduce = float(coll.all_reduce_s(activation_bytes, t, min(t, case.cluster.gpus_per_node),
+                                                 case.cluster.node))
+        comm_s = 4 * max(w.layers, 1) * per_all_reduce
+        step_s = compute_s + comm_s
+        memory, _ = self.cluster_memory(spec, case)
+        est = pst.StrategyEstimate("tp", t, step_s, compute_s, comm_s, comm_s, memory, global_batch / step_s,
+                                   notes=["tensor-parallel all-reduces not overlapped (Megatron-LM)"])
+        single = w.batch_per_worker / pst.compute_s(w, case.cluster)
+        est.speedup_vs_single = est.samples_per_s / single
+        est.scaling_efficiency = est.speedup_vs_single / t
+        return est
+
+    def cluster_notes(self, spec: TPSpec, case: ClusterCase) -> list[str]:
+        if case.cluster.n_gpus > case.cluster.gpus_per_node:
+            return [f"tensor parallel over {case.cluster.n_gpus} GPUs crosses nodes: not modelled (Megatron-LM keeps "
+                    "it within a node; combine with data or pipeline parallelism, `ddlscope plan`)"]
+        return []
+
+    def cluster_memory(self, spec: TPSpec, case: ClusterCase) -> tuple[float, float | None]:
+        t = case.cluster.n_gpus
+        if t > case.cluster.gpus_per_node:
+            return math.inf, None  # see cluster_notes
+        # activations: a worker's batch is 1/t of the global one; TP keeps about (10 + 24/t)/34 of the
+        # whole batch's per rank (Korthikanti et al. 2022), i.e. t (10 + 24/t)/34 of a worker's
+        return case.replicated_state_bytes / t + case.activation_bytes * t * (10 + 24 / t) / 34, None
+
+    def local_compute_stretch(self, spec: TPSpec, case: LocalCase) -> float | None:
+        """1/t of the blocks' compute on the whole batch (the rest replicated is counted whole: an
+        overestimate for a model whose embeddings and head weigh much)."""
+        return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0] / case.world
+
+    def local_optimizer_bytes(self, spec: TPSpec, case: LocalCase) -> float:
+        return _rank_param_bytes(case)
+
+    def local_memory(self, spec: TPSpec, case: LocalCase) -> dict[str, dict[str, int]]:
+        mine = int(_rank_param_bytes(case))
+        return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
+
+    def local_comm(self, spec: TPSpec, case: LocalCase, step: LocalStep) -> LocalComm:
+        """Four all-reduces per block of the block output (per-rank batch x seq x hidden, fp32); the facts
+        do not hold those sizes, so this prices them from the gemm count: not priced, noted."""
+        return LocalComm(0.0, notes=["tp: the activation all-reduces are not priced on this machine yet"])
+
+
+def _rank_param_bytes(case: LocalCase) -> float:
+    """The blocks (the facts' FSDP units) split t ways, the rest (embeddings, final norm, head: the root)
+    whole; the blocks' norms and rowwise biases, replicated too, are left in the split (small)."""
+    units = case.facts["fsdp_units"]
+    return sum(units[:-1]) / case.world + units[-1]

@@ -1,0 +1,108 @@
+"""A pipeline schedule's timeline from its action order: when each rank computes and when it idles.
+
+Torch-free. The formula (p - 1) / (m v) is the bubble of an ideal schedule
+(Megatron-LM's, m a multiple of p); a library's actual order can differ
+(torch 2.13's interleaved 1F1B groups micro-batches in rounds of
+m // p). Given each rank's actions in order (torch's `pipeline_order`, as
+`(kind, stage, micro_batch)` with kind F, B (full backward), I (input
+gradient) or W (weight gradient)) and how long each takes, this plays the
+order out under the data dependencies:
+
+    F(s, i) after F(s - 1, i);   B/I(s, i) after F(s, i) and B/I(s + 1, i);   W(s, i) after I(s, i)
+
+and returns each rank's busy and idle time (sends and receives taking no time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+Action = tuple[str, int, int]  # (kind, stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    busy_s: list[float]  # per rank
+    end_s: list[float]  # per rank: when its last action ends
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.end_s)
+
+    def bubble_fraction(self, rank: int | None = None) -> float:
+        """Idle over busy of one rank, or of the busiest rank (the one that sets the pace)."""
+        if rank is None:
+            rank = max(range(len(self.busy_s)), key=lambda r: self.busy_s[r])
+        return (self.makespan_s - self.busy_s[rank]) / self.busy_s[rank]
+
+
+def simulate(orders: Sequence[Sequence[Action]], duration_s: Callable[[Action], float], stages: int) -> Timeline:
+    """Play each rank's order out; raises ValueError on an order that deadlocks."""
+    done: dict[Action, float] = {}
+    clock = [0.0] * len(orders)
+    busy = [0.0] * len(orders)
+    position = [0] * len(orders)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for rank, order in enumerate(orders):
+            while position[rank] < len(order):
+                action = order[position[rank]]
+                ready = _ready_s(action, done, stages)
+                if ready is None:
+                    break
+                start = max(clock[rank], ready)
+                took = duration_s(action)
+                clock[rank] = done[action] = start + took
+                busy[rank] += took
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule's order deadlocks under its data dependencies")
+    return Timeline(busy, clock)
+
+
+def _ready_s(action: Action, done: dict[Action, float], stages: int) -> float | None:
+    """When the action's inputs are ready, None while one is still to run."""
+    kind, stage, mb = action
+    if kind == "F":
+        needs = [("F", stage - 1, mb)] if stage > 0 else []
+    elif kind == "W":
+        needs = [("I", stage, mb)]
+    else:  # B or I: the stage's own forward, and the gradient from the stage after it
+        needs = [("F", stage, mb)]
+        if stage < stages - 1:
+            needs.append(_backward_of(done, stage + 1, mb))
+    times = []
+    for need in needs:
+        if need not in done:
+            return None
+        times.append(done[need])
+    return max(times, default=0.0)
+
+
+def _backward_of(done: dict[Action, float], stage: int, mb: int) -> Action:
+    """The next stage's input-gradient action: I where the schedule splits backward, else B."""
+    return ("I", stage, mb) if ("I", stage, mb) in done else ("B", stage, mb)
+
+
+def single_stage_orders(schedule: str, ranks: int, micro_batches: int) -> list[list[Action]]:
+    """GPipe's and 1F1B's orders (one stage per rank), as torch 2.13 runs them: GPipe every forward
+    then every backward; 1F1B min(m, p - r) forwards, then one backward and one forward in turn."""
+    orders = []
+    for rank in range(ranks):
+        forwards = [("F", rank, i) for i in range(micro_batches)]
+        backwards = [("B", rank, i) for i in range(micro_batches)]
+        if schedule == "gpipe":
+            orders.append(forwards + backwards)
+            continue
+        warmup = min(micro_batches, ranks - rank)
+        order = forwards[:warmup]
+        for i in range(micro_batches):
+            order.append(backwards[i])
+            if warmup + i < micro_batches:
+                order.append(forwards[warmup + i])
+        orders.append(order)
+    return orders
