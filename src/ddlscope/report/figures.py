@@ -433,3 +433,41 @@ def rank_timeline(steps: Mapping[int, Sequence[tuple[float, float]]],
         ax.set_title(_shorten(title, 80), fontsize=9)
     fig.tight_layout()
     return _render(fig)
+
+
+# ---------------------------------------------------------------------------- many ranks
+@_styled
+def rank_distribution(per_rank: Mapping[str, Mapping[int, float]], title: str, ylabel: str,
+                      scale: float = 1.0, colors: Mapping[str, str] | None = None, bytes_axis: bool = False) -> str | None:
+    """One box per series (a phase, a memory category) over the ranks' values: the quartiles, whiskers
+    from the smallest to the largest rank, each rank a faint dot; the largest rank is named. What a
+    run of hundreds of ranks shows instead of a bar per rank."""
+    series = {k: {r: _num(v) * scale for r, v in vals.items() if not math.isnan(_num(v))} for k, vals in per_rank.items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    names = list(series)
+    fig, axes = _figure(_width(len(names), 1.0, 5.5, 10), 3.4)
+    ax = axes[0][0]
+    values = [list(series[k].values()) for k in names]
+    box = ax.boxplot(values, positions=range(len(names)), widths=0.5, whis=(0, 100), patch_artist=True,
+                     showfliers=False, medianprops={"color": "black"})
+    for i, (name, patch) in enumerate(zip(names, box["boxes"])):
+        patch.set_facecolor((colors or {}).get(name, color(i)))
+        patch.set_alpha(0.55)
+        ranks = sorted(series[name])
+        # Dots spread across the box's width in rank order: the same rank is at the same place in every box.
+        xs = [i - 0.22 + 0.44 * j / max(len(ranks) - 1, 1) for j in range(len(ranks))]
+        ax.scatter(xs, [series[name][r] for r in ranks], s=2, color="black", alpha=0.25, linewidths=0)
+        worst = max(ranks, key=lambda r: series[name][r])
+        ax.annotate(f"max: rank {worst}", (i, series[name][worst]), ha="center", va="bottom", fontsize=7,
+                    xytext=(0, 3), textcoords="offset points")
+    if bytes_axis:
+        top = max(max(v) for v in values) * 1.12
+        ax.set_ylim(0, top or 1.0)
+        _bytes_axis(ax.yaxis, top or 1.0)
+    ax.set_ylabel(ylabel)
+    ax.set_title(_shorten(title, 90))
+    ax.margins(y=0.12)
+    _category_ticks(ax, [n.removesuffix("_s") for n in names])
+    return _render(fig)
