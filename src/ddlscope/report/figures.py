@@ -20,7 +20,8 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
+from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullLocator,  # noqa: E402
+                               PercentFormatter)
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
 PHASE_COLORS = {
@@ -462,7 +463,14 @@ def rank_distribution(per_rank: Mapping[str, Mapping[int, float]], title: str, y
         worst = max(ranks, key=lambda r: series[name][r])
         ax.annotate(f"max: rank {worst}", (i, series[name][worst]), ha="center", va="bottom", fontsize=7,
                     xytext=(0, 3), textcoords="offset points")
-    if bytes_axis:
+    tops = [max(v) for v in values if max(v) > 0]
+    if tops and max(tops) / min(tops) > 50:  # peak RSS beside parameter bytes: a log axis shows both
+        ax.set_yscale("log")
+        if bytes_axis:  # ticks at 1, 4, 16, 64, 256 of each binary unit
+            ax.yaxis.set_major_locator(LogLocator(base=1024, subs=(1.0, 4.0, 16.0, 64.0, 256.0)))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(_bytes_formatter())
+    elif bytes_axis:
         top = max(max(v) for v in values) * 1.12
         ax.set_ylim(0, top or 1.0)
         _bytes_axis(ax.yaxis, top or 1.0)

@@ -9,9 +9,10 @@ process dying. The launcher ingests the files into SQLite keyed by
 from __future__ import annotations
 
 import json
-import queue
-import threading
+import re
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -119,58 +120,41 @@ def run_dir_for(store_path: Path, run_uuid: str) -> Path:
 def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
     """Every row of a run's files into the store, in one transaction (idempotent).
 
-    A thread reads and parses the files, a few batches ahead of the inserts (pyarrow parses outside
-    the GIL, and sqlite inserts release it), so parsing and inserting overlap; the queue between them
-    bounds the memory to a few batches whatever the size of the run."""
+    The files are read in chunks of whole lines, and PARSERS threads parse up to PARSE_AHEAD chunks
+    ahead of the inserts (pyarrow parses outside the GIL, and sqlite inserts release it), so parsing and
+    inserting overlap on the cores, and memory holds a few chunks whatever the size of the run."""
     return store.ingest_batches(run_id, _parsed_ahead(run_files(run_dir)))
 
 
-# Batches parsed ahead of the one being inserted, and the bytes of a file read at a time.
-PARSE_AHEAD = 2
+PARSERS = 2
+PARSE_AHEAD = 4
 CHUNK_BYTES = 8 << 20
 _STEP_SCHEMA_KEYS = ("rank", "step", *STEP_COLUMNS)
 _INT_KEYS = {"rank", "step", "samples", "bytes_sent"}
-# The other kinds' lines, as encode_record begins them (after a newline): found with bytes.find.
-_OTHER_STARTS = tuple(b'\n{"kind":"' + kind.encode() + b'"' for kind in ("eval", "memory", "event", "update"))
-_DONE = object()
+# Where a record of another kind than step begins, as encode_record writes it (after a newline).
+_OTHER_START = re.compile(rb'\n\{"kind":"(?:eval|memory|event|update)"')
 
 
 def _parsed_ahead(paths: list[Path]) -> Iterator[RowBatch]:
-    """The files' batches, parsed on a thread that runs at most PARSE_AHEAD batches ahead."""
-    ready: queue.Queue[Any] = queue.Queue(maxsize=PARSE_AHEAD)
-    stop = threading.Event()
-
-    def produce() -> None:
+    """The files' batches in order, parsed on a pool of threads at most PARSE_AHEAD chunks ahead."""
+    with ThreadPoolExecutor(PARSERS, thread_name_prefix="ddlscope-parse") as pool:
+        pending: deque[Future[RowBatch]] = deque()
         try:
             for path in paths:
-                for batch in file_batches(path):
-                    while not stop.is_set():
-                        try:
-                            ready.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-            ready.put(_DONE)
-        except BaseException as exc:  # handed to the consumer, which raises it inside the transaction
-            ready.put(exc)
-
-    worker = threading.Thread(target=produce, name="ddlscope-parse", daemon=True)
-    worker.start()
-    try:
-        while (item := ready.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        worker.join()
+                for chunk in file_chunks(path):
+                    pending.append(pool.submit(chunk_batch, chunk))
+                    if len(pending) > PARSE_AHEAD:
+                        yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:  # an insert failed: parse nothing more
+                future.cancel()
 
 
-def file_batches(path: Path) -> Iterator[RowBatch]:
-    """The rows of one rank file, ready for the store, about CHUNK_BYTES of the file (whole lines) at a
-    time. A piece after the last newline (a line cut short) goes with the last chunk."""
+def file_chunks(path: Path) -> Iterator[bytes]:
+    """A rank file about CHUNK_BYTES at a time, in whole lines; a piece after the last newline (a line
+    cut short) comes last, alone."""
     with open(path, "rb") as f:
         rest = b""
         while block := f.read(CHUNK_BYTES):
@@ -178,9 +162,15 @@ def file_batches(path: Path) -> Iterator[RowBatch]:
             end = block.rfind(b"\n") + 1
             rest = block[end:]
             if end:
-                yield chunk_batch(block[:end])
+                yield block[:end]
         if rest:
-            yield chunk_batch(rest)
+            yield rest
+
+
+def file_batches(path: Path) -> Iterator[RowBatch]:
+    """The rows of one rank file, ready for the store, a chunk at a time."""
+    for chunk in file_chunks(path):
+        yield chunk_batch(chunk)
 
 
 def chunk_batch(chunk: bytes) -> RowBatch:
@@ -255,13 +245,10 @@ def _other_lines(chunk: bytes) -> list[bytes]:
     """The lines of the chunk that begin as encode_record begins a record other than a step."""
     text = b"\n" + chunk
     found = []
-    for start in _OTHER_STARTS:
-        at = text.find(start)
-        while at >= 0:
-            end = text.find(b"\n", at + 1)
-            found.append((at, text[at + 1:end if end >= 0 else len(text)]))
-            at = text.find(start, at + 1) if end >= 0 else -1
-    return [line for _, line in sorted(found)]
+    for match in _OTHER_START.finditer(text):
+        end = text.find(b"\n", match.start() + 1)
+        found.append(text[match.start() + 1:end if end >= 0 else len(text)])
+    return found
 
 
 def _decode(line: bytes) -> dict[str, Any] | None:
