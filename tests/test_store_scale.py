@@ -216,8 +216,8 @@ def test_streaming_trace_reader_yields_the_events_whole_across_tiny_blocks(tmp_p
     bare.write_text(json.dumps(whole[::-1]))  # a bare list, the anchor near its end
     assert list(trace_merge.iter_trace_events(bare)) == whole[::-1]
     late = tmp_path / "late.json"
-    late.write_text(json.dumps({"deviceProperties": [{"x": [1, {"y": "]}"}]}], "traceEvents": whole[::-1],
-                                "traceName": "z"}))
+    late.write_text(json.dumps({"schemaVersion": 1234567890123, "deviceProperties": [{"x": [1, {"y": "]}"}]}],
+                                "traceEvents": whole[::-1], "traceName": "z"}))
     assert list(trace_merge.iter_trace_events(late)) == whole[::-1]
     anchor = trace_merge._find_anchor(late)
     assert anchor is not None and anchor["ts"] == 1_000_000.0

@@ -236,12 +236,8 @@ def step_time_distribution(step_times_s: Mapping[str, Sequence[float]]) -> str |
     labels = list(data)
     fig, axes = _figure(_width(len(labels), 0.6, 5.5, 12), 3.3)
     ax = axes[0][0]
-    box = ax.boxplot([data[k] for k in labels], positions=range(len(labels)), widths=0.55, whis=(5, 95),
-                     patch_artist=True, flierprops={"marker": ".", "markersize": 3, "alpha": 0.6},
-                     medianprops={"color": "black"})
-    for i, patch in enumerate(box["boxes"]):
-        patch.set_facecolor(color(i))
-        patch.set_alpha(0.75)
+    _boxes(ax, [data[k] for k in labels], [color(i) for i in range(len(labels))], 0.55, (5, 95), 0.75,
+           flierprops={"marker": ".", "markersize": 3, "alpha": 0.6})
     values = [v for vs in data.values() for v in vs]
     if min(values) > 0 and max(values) / min(values) > 50:
         ax.set_yscale("log")
@@ -249,6 +245,16 @@ def step_time_distribution(step_times_s: Mapping[str, Sequence[float]]) -> str |
     ax.set_title("step-time distribution (steady-state steps)")
     _category_ticks(ax, labels)
     return _render(fig)
+
+
+def _boxes(ax: Any, values: Sequence[Sequence[float]], colours: Sequence[str], width: float,
+           whis: tuple[float, float], alpha: float, **kwargs: Any) -> None:
+    """Box plots at 0, 1, ... with a black median, filled with the given colours."""
+    box = ax.boxplot(values, positions=range(len(values)), widths=width, whis=whis, patch_artist=True,
+                     medianprops={"color": "black"}, **kwargs)
+    for patch, colour in zip(box["boxes"], colours):
+        patch.set_facecolor(colour)
+        patch.set_alpha(alpha)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -451,11 +457,9 @@ def rank_distribution(per_rank: Mapping[str, Mapping[int, float]], title: str, y
     fig, axes = _figure(_width(len(names), 1.0, 5.5, 10), 3.4)
     ax = axes[0][0]
     values = [list(series[k].values()) for k in names]
-    box = ax.boxplot(values, positions=range(len(names)), widths=0.5, whis=(0, 100), patch_artist=True,
-                     showfliers=False, medianprops={"color": "black"})
-    for i, (name, patch) in enumerate(zip(names, box["boxes"])):
-        patch.set_facecolor((colors or {}).get(name, color(i)))
-        patch.set_alpha(0.55)
+    _boxes(ax, values, [(colors or {}).get(name, color(i)) for i, name in enumerate(names)], 0.5, (0, 100), 0.55,
+           showfliers=False)
+    for i, name in enumerate(names):
         ranks = sorted(series[name])
         # Dots spread across the box's width in rank order: the same rank is at the same place in every box.
         xs = [i - 0.22 + 0.44 * j / max(len(ranks) - 1, 1) for j in range(len(ranks))]

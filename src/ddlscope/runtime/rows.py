@@ -220,7 +220,8 @@ def _columnar_batch(chunk: bytes) -> RowBatch | None:
         batch.add(record)
     is_step = pc.fill_null(pc.equal(table.column("kind"), "step"), False)
     steps = table.filter(is_step)
-    if len(others) + steps.num_rows != pc.sum(pc.is_in(table.column("kind"), pa.array(RECORD_KINDS))).as_py() or 0:
+    known = pc.sum(pc.is_in(table.column("kind"), pa.array(RECORD_KINDS))).as_py() or 0
+    if len(others) + steps.num_rows != known:
         return None  # a row of a known kind that does not begin as encode_record begins it
     matrix = np.empty((steps.num_rows, len(_STEP_SCHEMA_KEYS)))
     for i, k in enumerate(_STEP_SCHEMA_KEYS):
