@@ -272,9 +272,10 @@ def _write_json(store: Store, run_: Run, out: Any) -> None:
     for table in EXPORT_TABLES:
         out.write(f',\n"{table}": [')
         first = True
+        names = store.column_names(table)
         for rows in store.iter_rows(table, run_.id):
             for row in rows:
-                out.write(("\n" if first else ",\n") + json.dumps(dict(row), default=str))
+                out.write(("\n" if first else ",\n") + json.dumps(dict(zip(names, row)), default=str))
                 first = False
         out.write("\n]")
     out.write("}\n")
