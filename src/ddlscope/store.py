@@ -445,8 +445,8 @@ class Store:
                       " step_s - forward_s - backward_s + compute_cpu_s, step_s - comm_wait_s, rank"
                       " FROM steps WHERE run_id = ? AND step >= ? ORDER BY rank, step"
                       " ON CONFLICT(step) DO UPDATE SET ranks = ranks + 1,"
-                      " max_step_s = max(max_step_s, excluded.max_step_s),"
-                      " max_cpu_derived_s = max(max_cpu_derived_s, excluded.max_cpu_derived_s),"
+                      f" max_step_s = {_max_ignoring_null('max_step_s')},"
+                      f" max_cpu_derived_s = {_max_ignoring_null('max_cpu_derived_s')},"
                       " straggler = CASE WHEN excluded.max_busy_s > max_busy_s THEN excluded.straggler"
                       " ELSE straggler END,"
                       " max_busy_s = max(max_busy_s, excluded.max_busy_s)", (run_id, steady_from))
@@ -583,6 +583,12 @@ def batches_of_records(records: Iterable[dict[str, Any]]) -> Iterator[RowBatch]:
             yield batch
             batch = RowBatch()
     yield batch
+
+
+def _max_ignoring_null(column: str) -> str:
+    """SQL for the larger of a row's value and the incoming one, a NULL on either side ignored (sqlite's
+    two-argument max() would return NULL), as MAX() does over a column."""
+    return f"max(COALESCE({column}, excluded.{column}), COALESCE(excluded.{column}, {column}))"
 
 
 def _insert_event(c: sqlite3.Connection, run_id: int, kind: str, message: str, rank: int) -> None:

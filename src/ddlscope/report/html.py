@@ -85,9 +85,8 @@ def collect(store: Store, run: Run, label: str | None = None, summary: Summary |
     """A run's page data from the store's aggregates of its step rows (never the rows themselves: a
     1,024-rank run has millions of them)."""
     steps = aggregate_steps(store, run)
-    rank_breakdown = {rank: {p: means.get(rank, 0.0) for p, means in
-                             ((p, steps.rank_means(f"{p}_or_zero")) for p in PHASES)}
-                      for rank in (r["rank"] for r in steps.by_rank if r["steady_rows"])}
+    means = {p: steps.rank_means(f"{p}_or_zero") for p in PHASES}  # a missing phase counts 0
+    rank_breakdown = {r["rank"]: {p: means[p][r["rank"]] for p in PHASES} for r in steps.by_rank if r["steady_rows"]}
 
     curve: dict[int, dict[str, Any]] = {}
     metric_name = None
