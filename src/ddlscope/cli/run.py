@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import csv
-import io
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Iterator, Optional
 
 import typer
 from rich import box
@@ -18,7 +18,7 @@ from rich.table import Column, Table
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, check_local_ranks, check_output_folder,
                                  check_run_outputs, console, err_console, json_option, open_store)
 from ddlscope.specs import is_baseline
-from ddlscope.store import STEP_COLUMNS, Run, Store, StoreError
+from ddlscope.store import Run, Store, StoreError
 
 EXPORT_FORMATS = ("csv", "json", "parquet")
 EXPORT_TABLES = ("steps", "evals", "memory", "events")
@@ -213,74 +213,72 @@ def export(run_ref: RunArg,
         check_output_folder(output, "--output")
     with open_store(db) as store:
         run_ = store.get_run(run_ref)
-        data = {t: [dict(r) for r in getattr(store, t)(run_.id)] for t in EXPORT_TABLES}
-    if fmt == "parquet":
-        _write_bytes(_parquet_bytes(data[table], _columns(data[table], table)), output)
-    elif fmt == "json":
-        _write_text(_json_text(run_, data), output)
-    else:
-        _write_text(_csv_text(data[table], _columns(data[table], table)), output)
+        with _opened(output, binary=fmt == "parquet") as out:
+            if fmt == "parquet":
+                _write_parquet(store, run_.id, table, out)
+            elif fmt == "json":
+                _write_json(store, run_, out)
+            else:
+                _write_csv(store, run_.id, table, out)
+    if output:
+        err_console.print(f"wrote {output}", markup=False, highlight=False)
 
 
-def _columns(rows: list[dict[str, Any]], table: str) -> list[str]:
-    """A table's columns: its rows' keys; with no rows, the steps table still has its header."""
-    if rows:
-        return list(rows[0])
-    return ["run_id", "rank", "step", *STEP_COLUMNS] if table == "steps" else []
+# Rows are streamed from the store in its key order (rank, then step), a batch at a time: a run of
+# millions of rows exports in bounded memory.
+@contextmanager
+def _opened(output: Optional[Path], binary: bool) -> Iterator[Any]:
+    """The file to write (or stdout); a write that fails is one line naming --output."""
+    if output is None:
+        sys.stdout.flush()  # text printed before must not land after the bytes
+        yield sys.stdout.buffer if binary else sys.stdout
+        (sys.stdout.buffer if binary else sys.stdout).flush()
+        return
+    try:
+        with open(output, "wb" if binary else "w", **({} if binary else {"newline": "", "encoding": "utf-8"})) as f:
+            yield f
+    except OSError as exc:
+        raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
 
 
-def _json_text(run_: Run, data: dict[str, list[dict[str, Any]]]) -> str:
-    from dataclasses import asdict
-
-    return json.dumps({"run": asdict(run_), **data}, default=str, indent=1)
-
-
-def _csv_text(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return buf.getvalue()
+def _write_csv(store: Store, run_id: int, table: str, out: Any) -> None:
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(store.column_names(table))
+    for rows in store.iter_rows(table, run_id):
+        writer.writerows(rows)
 
 
-def _parquet_bytes(rows: list[dict[str, Any]], columns: list[str]) -> bytes:
-    """The rows as one Parquet file: the csv export's columns, in its order, with the store's types."""
+def _write_parquet(store: Store, run_id: int, table: str, out: Any) -> None:
+    """One Parquet file: the csv export's columns, in its order, with the store's types."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError("--format parquet needs pyarrow: pip install pyarrow") from None
-    if rows:
-        arrow_table = pa.Table.from_pylist(rows).select(columns)
-    else:  # no rows: still the header, as the csv export writes it
-        arrow_table = pa.table({c: pa.array([], pa.null()) for c in columns})
-    sink = pa.BufferOutputStream()
-    pq.write_table(arrow_table, sink)
-    return sink.getvalue().to_pybytes()
+    arrow_types = {"INTEGER": pa.int64(), "REAL": pa.float64(), "TEXT": pa.string()}
+    schema = pa.schema([(name, arrow_types.get(kind, pa.string())) for name, kind in store.column_types(table)])
+    with pq.ParquetWriter(out, schema) as writer:
+        for rows in store.iter_rows(table, run_id):
+            columns = list(zip(*rows))
+            writer.write_batch(pa.record_batch([pa.array(c, type=f.type) for c, f in zip(columns, schema)],
+                                               schema=schema))
 
 
-def _write_text(text: str, output: Optional[Path]) -> None:
-    if output:
-        try:
-            output.write_text(text)
-        except OSError as exc:
-            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
-        err_console.print(f"wrote {output}", markup=False, highlight=False)
-    else:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+def _write_json(store: Store, run_: Run, out: Any) -> None:
+    """Everything about the run: {"run": ..., "steps": [...], "evals": [...], "memory": [...], "events": [...]}."""
+    from dataclasses import asdict
 
-
-def _write_bytes(data: bytes, output: Optional[Path]) -> None:
-    if output:
-        try:
-            output.write_bytes(data)
-        except OSError as exc:
-            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
-        err_console.print(f"wrote {output}", markup=False, highlight=False)
-    else:
-        sys.stdout.flush()  # text printed before must not land after the bytes
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+    out.write('{"run": ' + json.dumps(asdict(run_), default=str, indent=1))
+    for table in EXPORT_TABLES:
+        out.write(f',\n"{table}": [')
+        first = True
+        names = store.column_names(table)
+        for rows in store.iter_rows(table, run_.id):
+            for row in rows:
+                out.write(("\n" if first else ",\n") + json.dumps(dict(zip(names, row)), default=str))
+                first = False
+        out.write("\n]")
+    out.write("}\n")
 
 
 # ---------------------------------------------------------------------------- trace
@@ -372,6 +370,33 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+# Past this many ranks, `show` summarises per-rank lists (the JSON keeps every rank).
+SHOWN_RANKS = 16
+
+
+def _stragglers(steps_by_rank: dict[int, int]) -> str:
+    """The ranks the others waited for, most often first; past SHOWN_RANKS, the first few and a count."""
+    ranked = sorted(steps_by_rank.items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(ranked) <= SHOWN_RANKS:
+        return ", ".join(f"rank {r}: {n} steps" for r, n in sorted(steps_by_rank.items()))
+    shown = ", ".join(f"rank {r}: {n} steps" for r, n in ranked[:5])
+    return f"{shown}, and {len(ranked) - 5} other ranks ({sum(n for _, n in ranked[5:])} steps)"
+
+
+def _memory_table(memory: dict[int, dict[str, int]], categories: list[str]) -> Table:
+    """A row per rank; past SHOWN_RANKS ranks, the smallest, median and largest rank of each category."""
+    if len(memory) <= SHOWN_RANKS:
+        table = Table("rank", *categories, title="memory by category")
+        for rank, cats in sorted(memory.items()):
+            table.add_row(str(rank), *(_fmt_bytes(cats[c]) if c in cats else "-" for c in categories))
+        return table
+    table = Table("over ranks", *categories, title=f"memory by category ({len(memory)} ranks)")
+    values = {c: sorted(m[c] for m in memory.values() if c in m) for c in categories}
+    for label, pick in (("min", lambda v: v[0]), ("median", lambda v: v[len(v) // 2]), ("max", lambda v: v[-1])):
+        table.add_row(label, *(_fmt_bytes(pick(values[c])) if values[c] else "-" for c in categories))
+    return table
+
+
 def _print_summary(s: Any) -> None:
     r = s.run
     e = {k: escape(str(r[k])) for k in ("name", "workload", "strategy", "status", "code_version")}
@@ -400,7 +425,7 @@ def _print_summary(s: Any) -> None:
                      f"{s.comm['comm_s'] * 1e3:.2f} ms in flight, {s.comm['exposed_s'] * 1e3:.2f} ms exposed, "
                      f"overlap {s.comm['overlap_fraction']:.0%}")
     if len(s.straggler_steps) > 0 and sum(s.straggler_steps.values()) > 0:
-        head.add_row("slowest rank", ", ".join(f"rank {r}: {n} steps" for r, n in s.straggler_steps.items()))
+        head.add_row("slowest rank", _stragglers(s.straggler_steps))
     if s.staleness:
         head.add_row("staleness", f"mean {s.staleness['mean']:.2f}, max {s.staleness['max']:.0f} "
                      f"over {s.staleness['updates']:.0f} server updates")
@@ -420,9 +445,6 @@ def _print_summary(s: Any) -> None:
         categories = sorted({c for m in s.memory_bytes_by_rank.values() for c in m},
                             key=lambda c: ("parameters", "gradients", "optimizer", "activations").index(c)
                             if c in ("parameters", "gradients", "optimizer", "activations") else 9)
-        mt = Table("rank", *categories, title="memory by category")
-        for rank, cats in sorted(s.memory_bytes_by_rank.items()):
-            mt.add_row(str(rank), *(_fmt_bytes(cats[c]) if c in cats else "-" for c in categories))
-        console.print(mt)
+        console.print(_memory_table(s.memory_bytes_by_rank, categories))
     for note in s.notes:
         console.print(f"[yellow]note:[/yellow] {escape(str(note))}")

@@ -20,7 +20,8 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot: no display, no GUI toolkit
 
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
+from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullLocator,  # noqa: E402
+                               PercentFormatter)
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
 PHASE_COLORS = {
@@ -235,12 +236,8 @@ def step_time_distribution(step_times_s: Mapping[str, Sequence[float]]) -> str |
     labels = list(data)
     fig, axes = _figure(_width(len(labels), 0.6, 5.5, 12), 3.3)
     ax = axes[0][0]
-    box = ax.boxplot([data[k] for k in labels], positions=range(len(labels)), widths=0.55, whis=(5, 95),
-                     patch_artist=True, flierprops={"marker": ".", "markersize": 3, "alpha": 0.6},
-                     medianprops={"color": "black"})
-    for i, patch in enumerate(box["boxes"]):
-        patch.set_facecolor(color(i))
-        patch.set_alpha(0.75)
+    _boxes(ax, [data[k] for k in labels], [color(i) for i in range(len(labels))], 0.55, (5, 95), 0.75,
+           flierprops={"marker": ".", "markersize": 3, "alpha": 0.6})
     values = [v for vs in data.values() for v in vs]
     if min(values) > 0 and max(values) / min(values) > 50:
         ax.set_yscale("log")
@@ -248,6 +245,16 @@ def step_time_distribution(step_times_s: Mapping[str, Sequence[float]]) -> str |
     ax.set_title("step-time distribution (steady-state steps)")
     _category_ticks(ax, labels)
     return _render(fig)
+
+
+def _boxes(ax: Any, values: Sequence[Sequence[float]], colours: Sequence[str], width: float,
+           whis: tuple[float, float], alpha: float, **kwargs: Any) -> None:
+    """Box plots at 0, 1, ... with a black median, filled with the given colours."""
+    box = ax.boxplot(values, positions=range(len(values)), widths=width, whis=whis, patch_artist=True,
+                     medianprops={"color": "black"}, **kwargs)
+    for patch, colour in zip(box["boxes"], colours):
+        patch.set_facecolor(colour)
+        patch.set_alpha(alpha)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -432,4 +439,47 @@ def rank_timeline(steps: Mapping[int, Sequence[tuple[float, float]]],
     if title:
         ax.set_title(_shorten(title, 80), fontsize=9)
     fig.tight_layout()
+    return _render(fig)
+
+
+# ---------------------------------------------------------------------------- many ranks
+@_styled
+def rank_distribution(per_rank: Mapping[str, Mapping[int, float]], title: str, ylabel: str,
+                      scale: float = 1.0, colors: Mapping[str, str] | None = None, bytes_axis: bool = False) -> str | None:
+    """One box per series (a phase, a memory category) over the ranks' values: the quartiles, whiskers
+    from the smallest to the largest rank, each rank a faint dot; the largest rank is named. What a
+    run of hundreds of ranks shows instead of a bar per rank."""
+    series = {k: {r: _num(v) * scale for r, v in vals.items() if not math.isnan(_num(v))} for k, vals in per_rank.items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    names = list(series)
+    fig, axes = _figure(_width(len(names), 1.0, 5.5, 10), 3.4)
+    ax = axes[0][0]
+    values = [list(series[k].values()) for k in names]
+    _boxes(ax, values, [(colors or {}).get(name, color(i)) for i, name in enumerate(names)], 0.5, (0, 100), 0.55,
+           showfliers=False)
+    for i, name in enumerate(names):
+        ranks = sorted(series[name])
+        # Dots spread across the box's width in rank order: the same rank is at the same place in every box.
+        xs = [i - 0.22 + 0.44 * j / max(len(ranks) - 1, 1) for j in range(len(ranks))]
+        ax.scatter(xs, [series[name][r] for r in ranks], s=2, color="black", alpha=0.25, linewidths=0)
+        worst = max(ranks, key=lambda r: series[name][r])
+        ax.annotate(f"max: rank {worst}", (i, series[name][worst]), ha="center", va="bottom", fontsize=7,
+                    xytext=(0, 3), textcoords="offset points")
+    tops = [max(v) for v in values if max(v) > 0]
+    if tops and max(tops) / min(tops) > 50:  # peak RSS beside parameter bytes: a log axis shows both
+        ax.set_yscale("log")
+        if bytes_axis:  # ticks at 1, 4, 16, 64, 256 of each binary unit
+            ax.yaxis.set_major_locator(LogLocator(base=1024, subs=(1.0, 4.0, 16.0, 64.0, 256.0)))
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_formatter(_bytes_formatter())
+    elif bytes_axis:
+        top = max(max(v) for v in values) * 1.12
+        ax.set_ylim(0, top or 1.0)
+        _bytes_axis(ax.yaxis, top or 1.0)
+    ax.set_ylabel(ylabel)
+    ax.set_title(_shorten(title, 90))
+    ax.margins(y=0.12)
+    _category_ticks(ax, [n.removesuffix("_s") for n in names])
     return _render(fig)

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jinja2
 
 from ddlscope import __version__
-from ddlscope.analysis.summary import PHASES, Summary, summarize
+from ddlscope.analysis.summary import PHASES, Summary, aggregate_steps, summarize
 from ddlscope.report import figures
 from ddlscope.store import Run, Store
 
@@ -33,6 +33,8 @@ KEY_FIELDS = (
     "seed",
 )
 MEMORY_BARS_PER_FIGURE = 24
+# Past this many ranks a run's per-rank figures show distributions over the ranks, not a bar per rank.
+RANK_BARS = 32
 
 
 # ---------------------------------------------------------------------------- data from the store
@@ -80,21 +82,11 @@ def run_label(run: Run) -> str:
 
 
 def collect(store: Store, run: Run, label: str | None = None, summary: Summary | None = None) -> RunData:
-    steps = store.steps(run.id)
-    step_ids = sorted({r["step"] for r in steps})
-    first = step_ids[1] if len(step_ids) > 1 else (step_ids[0] if step_ids else 0)
-    steady = [r for r in steps if r["step"] >= first]  # step 0 left out, as in the summary
-
-    slowest: dict[int, float] = {}
-    per_rank: dict[int, list[Any]] = {}
-    for r in steady:
-        if r["step_s"] is not None:
-            slowest[r["step"]] = max(slowest.get(r["step"], 0.0), r["step_s"])
-        per_rank.setdefault(r["rank"], []).append(r)
-    rank_breakdown = {
-        rank: {p: statistics.fmean(x[p] or 0.0 for x in rows) for p in PHASES} for rank, rows in sorted(per_rank.items())
-    }
-    ends = [r["t_s"] + r["step_s"] for r in steps if r["t_s"] is not None and r["step_s"] is not None]
+    """A run's page data from the store's aggregates of its step rows (never the rows themselves: a
+    1,024-rank run has millions of them)."""
+    steps = aggregate_steps(store, run)
+    means = {p: steps.rank_means(f"{p}_or_zero") for p in PHASES}  # a missing phase counts 0
+    rank_breakdown = {r["rank"]: {p: means[p][r["rank"]] for p in PHASES} for r in steps.by_rank if r["steady_rows"]}
 
     curve: dict[int, dict[str, Any]] = {}
     metric_name = None
@@ -107,17 +99,18 @@ def collect(store: Store, run: Run, label: str | None = None, summary: Summary |
     updates = store.updates(run.id)
     events = store.events(run.id)
     servers = _servers(updates, events)
+    ends = [r["end_s"] for r in steps.by_rank if r["end_s"] is not None]
     return RunData(
-        run=run, label=label or run_label(run), summary=summary or summarize(store, run),
-        step_times_s=[slowest[s] for s in sorted(slowest)], rank_breakdown=rank_breakdown,
+        run=run, label=label or run_label(run), summary=summary or summarize(store, run, steps),
+        step_times_s=steps.slowest_step_s(), rank_breakdown=rank_breakdown,
         curve=[curve[s] for s in sorted(curve)], metric_name=metric_name,
         train_wall_s=max(ends) if ends else None,
         staleness=[u["staleness"] for u in updates if u["staleness"] is not None], servers=servers,
-        timeline=_fig_timeline(steps, events, label or run_label(run)),
+        timeline=_fig_timeline(store, run, events, label or run_label(run)),
     )
 
 
-def _fig_timeline(steps: Sequence[Any], events: Sequence[Any], label: str) -> str | None:
+def _fig_timeline(store: Store, run: Run, events: Sequence[Any], label: str) -> str | None:
     """Steps per rank over wall time, with the spans workers were preempted; None without preemptions.
 
     Step rows time from each rank's own training start (t_s); events carry wall-clock time, so each
@@ -129,7 +122,7 @@ def _fig_timeline(steps: Sequence[Any], events: Sequence[Any], label: str) -> st
         return None
     zero = min(started.values())
     bars: dict[int, list[tuple[float, float]]] = {}
-    for r in steps:
+    for r in store.steps(run.id):
         if r["rank"] in started and r["t_s"] is not None and r["step_s"] is not None:
             bars.setdefault(r["rank"], []).append((started[r["rank"]] - zero + r["t_s"], r["step_s"]))
     left = {e["rank"]: e["t"] for e in events if e["kind"] == "preempted"}
@@ -184,7 +177,12 @@ def _fig_breakdown(data: Sequence[RunData]) -> str | None:
 
 
 def _fig_rank_breakdown(d: RunData) -> str | None:
+    """A bar per rank up to RANK_BARS ranks; past that, each phase's distribution over the ranks."""
     ranks = sorted(d.rank_breakdown)
+    if len(ranks) > RANK_BARS:
+        return figures.rank_distribution({p: {r: d.rank_breakdown[r][p] for r in ranks} for p in PHASES},
+                                         f"{d.label}: mean per step of each of {len(ranks)} ranks",
+                                         "ms per step (rank mean)", scale=1e3, colors=figures.PHASE_COLORS)
     return figures.breakdown_bars([f"rank {r}" for r in ranks], [d.rank_breakdown[r] for r in ranks],
                                   title=f"{d.label}: mean per step, by rank")
 
@@ -198,6 +196,14 @@ def _fig_memory(data: Sequence[RunData], title: str) -> list[str]:
     out = []
     for d in data:
         mem = d.summary.memory_bytes_by_rank
+        if len(mem) > RANK_BARS:
+            categories = _memory_categories(mem)
+            uri = figures.rank_distribution({c: {r: m[c] for r, m in mem.items() if c in m} for c in categories},
+                                            f"{title}: {d.label}, over {len(mem)} ranks", "bytes",
+                                            colors=figures.MEMORY_COLORS, bytes_axis=True)
+            if uri:
+                out.append(uri)
+            continue
         uri = figures.memory_bars([f"rank {r}" for r in sorted(mem)], [mem[r] for r in sorted(mem)],
                                   title=f"{title}: {d.label}")
         if uri:
