@@ -52,6 +52,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                                   "strategy.outer_momentum = 1"),
     "hpsgd-staleness-negative": (["run", "--strategy", "hpsgd", "--set", "strategy.staleness=-1"],
                                  "strategy.staleness = -1"),
+    "osp-fraction-zero": (["run", "--strategy", "osp", "--set", "strategy.fraction=0"], "strategy.fraction = 0"),
     "bad-optimizer": (["run", "--set", "workload.optimizer=adam"], "workload.optimizer"),
     "unknown-strategy": (["run", "--strategy", "horovod"], "strategy.name"),
     "unknown-workload": (["run", "--workload", "imagenet"], "workload.name"),

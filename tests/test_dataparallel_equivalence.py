@@ -25,6 +25,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "localsgd-1": {"strategy.name": "localsgd", "strategy.period": 1},
     "hpsgd-0": {"strategy.name": "hpsgd", "strategy.staleness": 0},
     "hpsgd-1": {"strategy.name": "hpsgd", "strategy.staleness": 1},
+    "osp-1": {"strategy.name": "osp", "strategy.fraction": 1.0},
+    "osp": {"strategy.name": "osp", "strategy.fraction": 0.5},
     "localsgd-3": {"strategy.name": "localsgd", "strategy.period": 3},
     "cocod-forced": {"strategy.name": "cocod", "strategy.period": 3, "strategy.overlap": False},
     "cocod": {"strategy.name": "cocod", "strategy.period": 3},
@@ -86,6 +88,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 @pytest.mark.parametrize("label, reference", [
     ("localsgd-1", "ddp"),            # H = 1 with plain SGD: averaging models = averaging gradients
     ("hpsgd-0", "ddp"),               # staleness 0: the step's own average, at once
+    ("osp-1", "ddp"),                 # everything in the first stage
     ("cocod-forced", "localsgd-3"),   # the average completes before the next step
     ("diloco-plain", "localsgd-3"),   # outer lr 1, no momentum: the anchor becomes the average
     ("hierarchical", "localsgd-2"),   # the group is the world: averages every group_period steps
@@ -99,6 +102,7 @@ def test_equals_its_reference(trained, label: str, reference: str):
 @pytest.mark.parametrize("label, reference, at_least, at_most", [
     ("localsgd-3", "ddp", 1e-4, 0.5),   # drift between averages: not DDP, but not far from it
     ("hpsgd-1", "ddp", 1e-4, 0.5),      # one step stale
+    ("osp", "ddp", 1e-5, 0.5),          # the second stage's local stand-in, corrected a step later
     ("cocod", "localsgd-3", 1e-4, 0.5),  # the average lands a round late
     ("diloco", "localsgd-3", 1e-3, 5.0),  # outer Nesterov momentum moves it further
 ])
@@ -109,8 +113,9 @@ def test_differs_where_it_must(trained, label: str, reference: str, at_least: fl
 
 @pytest.mark.timeout(240)
 def test_every_rank_ends_with_the_same_model_after_a_final_average(trained):
-    # Period 3 over 7 steps averages after the last step; hpsgd's models never diverge.
-    for label in ("localsgd-3", "cocod", "diloco", "hpsgd-1"):
+    # Period 3 over 7 steps averages after the last step; hpsgd's models never diverge; osp's differ by the
+    # local stand-in of its second stage until the correction, and its last step leaves none.
+    for label in ("localsgd-3", "cocod", "diloco", "hpsgd-1", "osp"):
         assert max_difference(trained[0]["models"][label], trained[1]["models"][label]) < 1e-6, label
 
 
@@ -125,6 +130,7 @@ def test_bytes_are_sent_only_when_averaging_and_counted_once(trained):
     assert [r["bytes_sent"] for r in rows["localsgd-warmup"]] == [
         model_bytes if s in (0, 1, 2, 5) else 0 for s in range(STEPS)]
     assert all(r["bytes_sent"] == model_bytes for r in rows["hpsgd-1"])
+    assert all(r["bytes_sent"] == model_bytes for r in rows["osp"])  # two stages, the whole gradient once
 
 
 @pytest.mark.timeout(240)

@@ -8,6 +8,15 @@ import torch
 
 from ddlscope.specs.strategies.hpsgd import HPSGDSpec
 from ddlscope.specs.strategies.localsgd import CoCoDSpec, DiLoCoSpec, LocalSGDSpec
+from ddlscope.specs.strategies.osp import OSPSpec
+
+
+def test_osp_first_stage_takes_the_most_important_tensors_up_to_the_fraction_of_bytes():
+    importance, sizes = [0.1, 0.9, 0.5, 0.7], [100, 100, 300, 500]
+    # 1 (100 bytes), then 3 would make 600 of 1000 > 50%: passed over for 2 (400), then 0 (500)
+    assert OSPSpec(fraction=0.5).first_stage(importance, sizes) == [0, 1, 2]
+    assert OSPSpec(fraction=0.05).first_stage(importance, sizes) == [1]  # the most important always goes
+    assert OSPSpec(fraction=1.0).first_stage(importance, sizes) == [0, 1, 2, 3]
 
 
 @pytest.fixture

@@ -69,3 +69,13 @@ class InFlightAverage:
     def wait(self) -> torch.Tensor:
         self._work.wait()
         return self.tensor
+
+
+class Landed:
+    """An average that has arrived already (kept in a checkpoint): waits for nothing."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self.tensor

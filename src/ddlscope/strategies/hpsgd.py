@@ -15,7 +15,8 @@ from torch import nn
 
 from ddlscope.specs.strategies.hpsgd import HPSGDSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.averaging import InFlightAverage, broadcast_model, flat_gradients, load_flat_gradients
+from ddlscope.strategies.averaging import (
+    InFlightAverage, Landed, broadcast_model, flat_gradients, load_flat_gradients)
 from ddlscope.strategies.base import Batch, Strategy, StepTimer
 
 
@@ -26,7 +27,7 @@ class HPSGD(Strategy):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.step = 0
-        self.in_flight: deque[tuple[int, InFlightAverage]] = deque()
+        self.in_flight: deque[tuple[int, InFlightAverage | Landed]] = deque()
 
     @property
     def group(self) -> Any:
@@ -55,7 +56,7 @@ class HPSGD(Strategy):
         self.step += 1
         return loss.item()
 
-    def _pop(self, step: int) -> InFlightAverage:
+    def _pop(self, step: int) -> InFlightAverage | Landed:
         launched, average = self.in_flight.popleft()
         assert launched == step, f"hpsgd applies step {step}'s average but the oldest in flight is step {launched}'s"
         return average
@@ -66,14 +67,4 @@ class HPSGD(Strategy):
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
-        self.in_flight = deque((int(s), _Landed(t)) for s, t in state["owed"])  # type: ignore[misc]
-
-
-class _Landed:
-    """An average that already arrived (restored from a checkpoint)."""
-
-    def __init__(self, tensor: Any):
-        self.tensor = tensor
-
-    def wait(self) -> Any:
-        return self.tensor
+        self.in_flight = deque((int(s), Landed(t)) for s, t in state["owed"])  # type: ignore[misc]

@@ -21,6 +21,18 @@ def hidden_exposed_s(all_reduce_s: float, hiding_compute_s: float) -> float:
     return max(all_reduce_s - hiding_compute_s, 0.0)
 
 
+def synchronising_estimate(name: str, case: ClusterCase, compute_s: float, comm_s: float, exposed_s: float,
+                           memory_bytes: float) -> pst.StrategyEstimate:
+    """A step of compute plus exposed communication, every worker met each step (the slowest sets the pace)."""
+    w, n = case.workload, case.cluster.n_gpus
+    step_s = compute_s + exposed_s
+    est = pst.StrategyEstimate(name, n, step_s, compute_s, comm_s, exposed_s, memory_bytes,
+                               n * w.batch_per_worker / step_s)
+    est.speedup_vs_single = est.samples_per_s / (w.batch_per_worker / compute_s)
+    est.scaling_efficiency = est.speedup_vs_single / n
+    return straggler_bound(est, case)
+
+
 @ESTIMATORS.register(HPSGDSpec)
 class HPSGDEstimator(Estimator):
     def cluster(self, spec: HPSGDSpec, case: ClusterCase) -> pst.StrategyEstimate:
@@ -29,16 +41,9 @@ class HPSGDEstimator(Estimator):
         c = pst.compute_s(w, cluster)
         all_reduce_s = float(coll.all_reduce_s(w.params * w.grad_bytes_per_param, n, min(n, g), cluster.node))
         exposed_s = hidden_exposed_s(all_reduce_s, spec.staleness * c)
-        step_s = c + exposed_s
-        mem_bytes, _ = self.cluster_memory(spec, case)
-        est = pst.StrategyEstimate(spec.name, n, step_s, c, all_reduce_s, exposed_s, mem_bytes,
-                                   n * w.batch_per_worker / step_s)
-        single_rate = w.batch_per_worker / c
-        est.speedup_vs_single = est.samples_per_s / single_rate
-        est.scaling_efficiency = est.speedup_vs_single / n
-        if spec.staleness:
-            est.mean_staleness_steps = float(spec.staleness)
-        return straggler_bound(est, case)
+        est = synchronising_estimate(spec.name, case, c, all_reduce_s, exposed_s, self.cluster_memory(spec, case)[0])
+        est.mean_staleness_steps = float(spec.staleness)
+        return est
 
     def cluster_memory(self, spec: HPSGDSpec, case: ClusterCase) -> tuple[float, float | None]:
         return (case.replicated_state_bytes + case.activation_bytes
