@@ -53,6 +53,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "hpsgd-staleness-negative": (["run", "--strategy", "hpsgd", "--set", "strategy.staleness=-1"],
                                  "strategy.staleness = -1"),
     "osp-fraction-zero": (["run", "--strategy", "osp", "--set", "strategy.fraction=0"], "strategy.fraction = 0"),
+    "gossip-unknown-topology": (["run", "--strategy", "gossip", "--set", "strategy.topology=star"],
+                                "strategy.topology = 'star'"),
     "bad-optimizer": (["run", "--set", "workload.optimizer=adam"], "workload.optimizer"),
     "unknown-strategy": (["run", "--strategy", "horovod"], "strategy.name"),
     "unknown-workload": (["run", "--workload", "imagenet"], "workload.name"),

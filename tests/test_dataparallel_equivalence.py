@@ -23,6 +23,7 @@ COMMON = {"workload.name": "mlp-digits", "workload.steps": STEPS, "workload.batc
 CONFIGS: dict[str, dict[str, Any]] = {
     "ddp": {"strategy.name": "ddp"},
     "localsgd-1": {"strategy.name": "localsgd", "strategy.period": 1},
+    "gossip-complete": {"strategy.name": "gossip", "strategy.topology": "complete"},
     "hpsgd-0": {"strategy.name": "hpsgd", "strategy.staleness": 0},
     "hpsgd-1": {"strategy.name": "hpsgd", "strategy.staleness": 1},
     "osp-1": {"strategy.name": "osp", "strategy.fraction": 1.0},
@@ -41,8 +42,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def train_all(out_dir: str) -> dict[str, Any]:
-    """One rank: every configuration in turn; rank 0 returns the final models, every rank its rows."""
+def train_all(out_dir: str, configs: dict[str, dict[str, Any]], world: int) -> dict[str, Any]:
+    """One rank: every configuration in turn; each rank returns its final models and its step rows."""
     import torch.distributed as dist
 
     from ddlscope.runtime.config import load_experiment
@@ -55,9 +56,9 @@ def train_all(out_dir: str) -> dict[str, Any]:
     rank = dist.get_rank()
     models, rows = {}, {}
     try:
-        for label, overrides in CONFIGS.items():
-            exp = load_experiment(None, {**COMMON, **overrides})
-            ctx = RunContext(rank, 2, rank, 0, torch.device("cpu"), "gloo", exp)
+        for label, overrides in configs.items():
+            exp = load_experiment(None, {**COMMON, "cluster.world_size": world, **overrides})
+            ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
             task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
             path = Path(out_dir) / f"{label}-{rank}.jsonl"
             writer = RowWriter(path, rank)
@@ -76,7 +77,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any
     from ddlscope.runtime.launcher import launch_processes
 
     out = tmp_path_factory.mktemp("dataparallel")
-    return launch_processes(train_all, (str(out),), 2, run_id=f"dp-eq-{os.getpid()}")
+    return launch_processes(train_all, (str(out), CONFIGS, 2), 2, run_id=f"dp-eq-{os.getpid()}")
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -89,6 +90,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     ("localsgd-1", "ddp"),            # H = 1 with plain SGD: averaging models = averaging gradients
     ("hpsgd-0", "ddp"),               # staleness 0: the step's own average, at once
     ("osp-1", "ddp"),                 # everything in the first stage
+    ("gossip-complete", "localsgd-1"),  # the complete graph's mean is everybody's (4 ranks: test_dataparallel_gossip)
     ("cocod-forced", "localsgd-3"),   # the average completes before the next step
     ("diloco-plain", "localsgd-3"),   # outer lr 1, no momentum: the anchor becomes the average
     ("hierarchical", "localsgd-2"),   # the group is the world: averages every group_period steps

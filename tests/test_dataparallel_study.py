@@ -16,10 +16,10 @@ def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     quick, full = study.cells(quick=True), study.cells(quick=False)
     assert len(quick) == 8  # about 20 s each here: the quick study stays near 3 minutes
     strategies = {c.labels["strategy"] for c in full}
-    assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp"} == strategies
+    assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip"} == strategies
     regimes = {(c.labels["network"], c.labels["workers"]) for c in full}
     assert regimes == {("fast", "homogeneous"), ("fast", "straggler"), ("slow", "homogeneous"), ("slow", "straggler")}
-    assert len({c.key for c in full}) == len(full) == 32
+    assert len({c.key for c in full}) == len(full) == 36
     assert len({c.experiment.workload.steps * c.experiment.workload.batch_size for c in full}) == 1
     compensated = next(c for c in quick if c.labels["strategy"] == "hpsgd+mc")
     plain = next(c for c in full if c.labels["strategy"] == "hpsgd")

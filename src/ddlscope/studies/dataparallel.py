@@ -1,6 +1,6 @@
 """`ddlscope study dataparallel`: when and with whom workers synchronise.
 
-Local SGD, DiLoCo, CoCoD-SGD, HPSGD and OSP against DDP (synchronous, every step)
+Local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP and gossip (full study) against DDP (synchronous, every step)
 and asynchronous PS (nobody waits), on the main study's workload, emulated
 networks and straggler (studies/paper.py: cnn-digits, 100 steps of global
 batch 256, so every cell trains on the same samples; the fast and slow
@@ -23,7 +23,7 @@ from ddlscope.studies.paper import (
     ACCURACY_WORKLOAD, MOMENTUM_COMPENSATED, NETWORKS, QUICK_WORKERS, TARGET_ACCURACY, accuracy_cell, repeated)
 
 # The strategies of this study, then its references; "+mc" is the momentum-compensated variant.
-SUBJECTS = ("localsgd", "diloco", "cocod", "hpsgd", f"hpsgd+{MOMENTUM_COMPENSATED}", "osp")
+SUBJECTS = ("localsgd", "diloco", "cocod", "hpsgd", f"hpsgd+{MOMENTUM_COMPENSATED}", "osp", "gossip")
 REFERENCES = ("ddp", "ps-async")
 REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homogeneous", "straggler"))
 
@@ -35,7 +35,8 @@ def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> C
 
 @STUDIES.register("dataparallel")
 class DataParallelStudy(Study):
-    description = "local SGD, DiLoCo, CoCoD-SGD, HPSGD vs DDP and async PS on fast/slow networks, with stragglers"
+    description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip vs DDP and async PS on fast/slow networks, "
+                   "with stragglers")
     cell_columns = ("step ms", "samples/s", "accuracy", "to target s", "wall s", "staleness")
 
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
