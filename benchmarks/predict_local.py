@@ -9,7 +9,7 @@ model-state bytes, with the mean absolute percentage error of each
 
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
         [--servers | --only-servers]   # + 5 runs with two parameter-server ranks, reported apart
-        [--dataparallel | --only-dataparallel]   # + 6 runs of localsgd, diloco, cocod, hpsgd, reported apart
+        [--dataparallel | --only-dataparallel]   # + 8 runs of localsgd, diloco, cocod, hpsgd, osp, gossip, apart
     .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
 
 Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
@@ -52,7 +52,7 @@ SERVER_CONFIGS: list[tuple[str, int, dict]] = [
 # --dataparallel: the local SGD family and HPSGD (issue 19), reported apart like the sharded servers.
 DATAPARALLEL_CONFIGS: list[tuple[str, int, dict]] = [
     ("localsgd", 2, {}), ("localsgd", 2, CUSTOM), ("diloco", 2, CUSTOM), ("cocod", 2, CUSTOM),
-    ("hpsgd", 2, {}), ("hpsgd", 2, CUSTOM),
+    ("hpsgd", 2, {}), ("hpsgd", 2, CUSTOM), ("osp", 2, CUSTOM), ("gossip", 2, CUSTOM),
 ]
 
 
@@ -84,7 +84,8 @@ def main() -> int:
                         help="also run parameter servers sharded over 2 server ranks (reported apart)")
     parser.add_argument("--only-servers", action="store_true", help="run just the --servers configurations")
     parser.add_argument("--dataparallel", action="store_true",
-                        help="also run localsgd, diloco, cocod and hpsgd (reported apart)")
+                        help="also run localsgd, diloco, cocod, hpsgd, osp and gossip (reported apart; give "
+                             "--steps of at least twice diloco's period of 20, so that averages are in the mean)")
     parser.add_argument("--only-dataparallel", action="store_true", help="run just the --dataparallel ones")
     parser.add_argument("--rescore", type=Path, default=None, metavar="JSON",
                         help="run nothing: predict the runs a --json file holds again, with this code")

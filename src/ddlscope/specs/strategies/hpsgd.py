@@ -19,7 +19,9 @@ from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
 
 @strategy_spec
 class HPSGDSpec(StrategySpec):
-    traits = Traits(family="collective", simplicity=4)
+    # Every worker applies the same update, but a stale one: not synchronous SGD's, so advise weighs its
+    # staleness like the asynchronous strategies'.
+    traits = Traits(family="collective", simplicity=4, synchronous=False)
     description = "HPSGD: the gradient all-reduce overlaps the next step's compute and is applied one step late"
     advice = "a network whose gradient all-reduce is about one step's compute: hidden, at one step of staleness"
 
