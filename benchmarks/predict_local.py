@@ -192,8 +192,9 @@ def print_results(console: Console, rows: list[dict]) -> tuple[float, float]:
     targeted = [r for r in rows if r.get("target_set", True)]
     step_mape = mape(targeted, "step_s_error")
     mem_mape = mape(targeted, "model_state_error")
-    console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%)   model-state memory MAPE {mem_mape:.1f}% "
-                  f"(target <= 5%), over the {len(targeted)} standard configurations")
+    if targeted:
+        console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%)   model-state memory MAPE {mem_mape:.1f}% "
+                      f"(target <= 5%), over the {len(targeted)} standard configurations")
     for group in ("sharded servers", "dataparallel"):
         others = [r for r in rows if not r.get("target_set", True) and r.get("group", "sharded servers") == group]
         if others:

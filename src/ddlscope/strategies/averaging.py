@@ -14,7 +14,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddlscope.strategies.base import Strategy
 from ddlscope.strategies.comm import CommRecorder
+
+
+class ReplicatedModel(Strategy):
+    """A strategy whose workers each hold the whole model and exchange it (or its gradients) themselves:
+    they start from rank 0's model, and talk within the training ranks' group."""
+
+    @property
+    def group(self) -> Any:
+        return self.ctx.worker_group if self.ctx.worker_group is not None else dist.group.WORLD
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        broadcast_model(model, self.group)
+        return model
 
 
 def broadcast_model(model: nn.Module, group: Any) -> None:

@@ -15,30 +15,21 @@ from torch import nn
 
 from ddlscope.specs.strategies.gossip import GossipSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.averaging import broadcast_model, flat_parameters, load_flat_parameters
-from ddlscope.strategies.base import Batch, Strategy, StepTimer
+from ddlscope.strategies.averaging import ReplicatedModel, flat_parameters, load_flat_parameters
+from ddlscope.strategies.base import Batch, StepTimer
 
 
 @RUNTIMES.register(GossipSpec)
-class Gossip(Strategy):
+class Gossip(ReplicatedModel):
     spec: GossipSpec
 
-    @property
-    def group(self) -> Any:
-        return self.ctx.worker_group if self.ctx.worker_group is not None else dist.group.WORLD
-
     def wrap(self, model: nn.Module) -> nn.Module:
-        broadcast_model(model, self.group)
         self.peers = self.spec.neighbours(self.ctx.rank, self.ctx.workers)
-        return model
+        return super().wrap(model)
 
     def train_step(self, batch: Batch, timer: StepTimer) -> float:
-        assert self.model is not None and self.optimizer is not None and self.loss_fn is not None
-        x, y = batch
-        with timer.phase("forward"):
-            loss = self.loss_fn(self.model(x), y)
-        with timer.phase("backward"):
-            loss.backward()
+        loss = self.forward_backward(batch, timer)
+        assert self.model is not None and self.optimizer is not None
         with timer.phase("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -10,18 +10,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-import torch.distributed as dist
-from torch import nn
 
 from ddlscope.specs.strategies.hpsgd import HPSGDSpec
 from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.averaging import (
-    InFlightAverage, Landed, broadcast_model, flat_gradients, load_flat_gradients)
-from ddlscope.strategies.base import Batch, Strategy, StepTimer
+    InFlightAverage, Landed, ReplicatedModel, flat_gradients, load_flat_gradients)
+from ddlscope.strategies.base import Batch, StepTimer
 
 
 @RUNTIMES.register(HPSGDSpec)
-class HPSGD(Strategy):
+class HPSGD(ReplicatedModel):
     spec: HPSGDSpec
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -29,21 +27,9 @@ class HPSGD(Strategy):
         self.step = 0
         self.in_flight: deque[tuple[int, InFlightAverage | Landed]] = deque()
 
-    @property
-    def group(self) -> Any:
-        return self.ctx.worker_group if self.ctx.worker_group is not None else dist.group.WORLD
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        broadcast_model(model, self.group)
-        return model
-
     def train_step(self, batch: Batch, timer: StepTimer) -> float:
-        assert self.model is not None and self.optimizer is not None and self.loss_fn is not None
-        x, y = batch
-        with timer.phase("forward"):
-            loss = self.loss_fn(self.model(x), y)
-        with timer.phase("backward"):
-            loss.backward()
+        loss = self.forward_backward(batch, timer)
+        assert self.model is not None and self.optimizer is not None
         with timer.phase("synchronize"):
             self.in_flight.append((self.step, InFlightAverage(flat_gradients(self.model), self.comm, self.group)))
             due = self.spec.applies_after(self.step, self.ctx.experiment.workload.steps - 1)

@@ -16,7 +16,6 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
@@ -26,12 +25,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ddlscope.specs.strategies.localsgd import CoCoDSpec, DiLoCoSpec, LocalSGDSpec, ModelAveragingSpec
 from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.averaging import (
-    InFlightAverage, broadcast_model, flat_parameters, load_flat_parameters, parameter_bytes)
-from ddlscope.strategies.base import Batch, Strategy, StepTimer
+    InFlightAverage, ReplicatedModel, flat_parameters, load_flat_parameters, parameter_bytes)
+from ddlscope.strategies.base import Batch, StepTimer
 from ddlscope.strategies.ddp import Hook, bucket_bytes, timed_hook
 
 
-class ModelAveraging(Strategy):
+class ModelAveraging(ReplicatedModel):
     """Local steps, then `average(step)` in the synchronize phase; subclasses say how to average."""
 
     spec: ModelAveragingSpec
@@ -41,14 +40,9 @@ class ModelAveraging(Strategy):
         self.step = 0
         self.warmup: PostLocalSGDState | None = None
 
-    @property
-    def group(self) -> Any:
-        return self.ctx.worker_group if self.ctx.worker_group is not None else dist.group.WORLD
-
     def wrap(self, model: nn.Module) -> nn.Module:
         if not self.spec.warmup_steps:
-            broadcast_model(model, self.group)
-            return model
+            return super().wrap(model)
         self.warmup = PostLocalSGDState(process_group=self.group, subgroup=None,
                                         start_localSGD_iter=self.spec.warmup_steps,
                                         post_local_gradient_allreduce=False)
@@ -59,12 +53,8 @@ class ModelAveraging(Strategy):
         return ddp
 
     def train_step(self, batch: Batch, timer: StepTimer) -> float:
-        assert self.model is not None and self.optimizer is not None and self.loss_fn is not None
-        x, y = batch
-        with timer.phase("forward"):
-            loss = self.loss_fn(self.model(x), y)
-        with timer.phase("backward"):
-            loss.backward()
+        loss = self.forward_backward(batch, timer)
+        assert self.model is not None and self.optimizer is not None
         with timer.phase("optimizer"):
             self.optimizer.step()
         with timer.phase("synchronize"):

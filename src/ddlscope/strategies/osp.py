@@ -15,13 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from ddlscope.specs.strategies.osp import OSPSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.averaging import InFlightAverage, Landed, broadcast_model
-from ddlscope.strategies.base import Batch, Strategy, StepTimer
+from ddlscope.strategies.averaging import InFlightAverage, Landed, ReplicatedModel
+from ddlscope.strategies.base import Batch, StepTimer
 
 
 @dataclass
@@ -32,7 +30,7 @@ class _SecondStage:
 
 
 @RUNTIMES.register(OSPSpec)
-class OSP(Strategy):
+class OSP(ReplicatedModel):
     spec: OSPSpec
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -41,21 +39,9 @@ class OSP(Strategy):
         self.importance: list[float] | None = None  # mean |averaged gradient| per tensor, the latest known
         self.second: _SecondStage | None = None
 
-    @property
-    def group(self) -> Any:
-        return self.ctx.worker_group if self.ctx.worker_group is not None else dist.group.WORLD
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        broadcast_model(model, self.group)
-        return model
-
     def train_step(self, batch: Batch, timer: StepTimer) -> float:
-        assert self.model is not None and self.optimizer is not None and self.loss_fn is not None
-        x, y = batch
-        with timer.phase("forward"):
-            loss = self.loss_fn(self.model(x), y)
-        with timer.phase("backward"):
-            loss.backward()
+        loss = self.forward_backward(batch, timer)
+        assert self.model is not None and self.optimizer is not None
         params = list(self.model.parameters())
         with timer.phase("synchronize"):
             grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
