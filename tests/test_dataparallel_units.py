@@ -138,3 +138,52 @@ def test_a_straggler_holds_every_synchronising_strategy():
         slow, _ = _cluster_estimate(spec, slowdowns=[2.0])
         assert slow.step_s - even.step_s == pytest.approx(even.compute_s, rel=1e-9)  # one more compute time
         assert slow.samples_per_s == pytest.approx(even.samples_per_s * even.step_s / slow.step_s, rel=1e-9)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overrides", [
+    {"strategy.name": "hpsgd", "strategy.staleness": 2},
+    {"strategy.name": "osp", "strategy.fraction": 0.5},
+    {"strategy.name": "diloco", "strategy.period": 2},
+    {"strategy.name": "localsgd", "strategy.period": 2, "strategy.warmup_steps": 2},
+])
+def test_a_restart_from_the_strategy_state_continues_like_an_uninterrupted_run(one_rank_group, overrides):
+    """What a checkpoint keeps (owed averages, second stages, the anchor, the step) is enough to go on."""
+    import contextlib
+
+    from ddlscope.runtime.config import load_experiment
+    from ddlscope.strategies import RunContext, runtime_class
+
+    exp = load_experiment(None, {**overrides, "cluster.world_size": 1, "workload.steps": 6,
+                                 "workload.momentum": 0.5})
+    ctx = RunContext(0, 1, 0, 0, torch.device("cpu"), "gloo", exp)
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(6)]
+
+    class Timer:
+        def phase(self, _name: str):
+            return contextlib.nullcontext()
+
+    def fresh():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        strategy = runtime_class(exp.strategy)(exp.strategy, ctx)
+        model = strategy.wrap(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        strategy.attach(model, optimizer, torch.nn.functional.cross_entropy)
+        return strategy, model, optimizer
+
+    whole, whole_model, _ = fresh()
+    for batch in batches:
+        whole.train_step(batch, Timer())
+    first, first_model, first_opt = fresh()
+    for batch in batches[:3]:
+        first.train_step(batch, Timer())
+    saved = (first.checkpoint_state(), first_model.state_dict(), first_opt.state_dict())
+    second, second_model, second_opt = fresh()
+    second_model.load_state_dict(saved[1])
+    second_opt.load_state_dict(saved[2])
+    second.restore_checkpoint_state(saved[0])
+    for batch in batches[3:]:
+        second.train_step(batch, Timer())
+    for a, b in zip(whole_model.parameters(), second_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
