@@ -12,6 +12,7 @@ are priced as their implicit GEMMs (target: <= 10% median step-time error).
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
         [--servers | --only-servers]   # + 5 runs with two parameter-server ranks, reported apart
         [--cnn]                        # 10 runs of the vision workloads instead (resnet-cifar, vgg-cifar)
+        [--dataparallel | --only-dataparallel]   # + 8 runs of localsgd, diloco, cocod, hpsgd, osp, gossip, apart
     .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
 
 Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
@@ -63,6 +64,19 @@ SERVER_CONFIGS: list[tuple[str, int, dict]] = [
     ("ps-sync", 2, {**TWO_SERVERS, **CUSTOM}), ("ps-async", 4, {**TWO_SERVERS, **CUSTOM}),
 ]
 
+# --dataparallel: the local SGD family and HPSGD (issue 19), reported apart like the sharded servers.
+DATAPARALLEL_CONFIGS: list[tuple[str, int, dict]] = [
+    ("localsgd", 2, {}), ("localsgd", 2, CUSTOM), ("diloco", 2, CUSTOM), ("cocod", 2, CUSTOM),
+    ("hpsgd", 2, {}), ("hpsgd", 2, CUSTOM), ("osp", 2, CUSTOM), ("gossip", 2, CUSTOM),
+]
+
+
+def config_group(strategy: str, world: int, overrides: dict) -> str:
+    """Which set a configuration belongs to: the standard 12 (the targets are for them) or an extra one."""
+    if (strategy, world, overrides) in CONFIGS or (strategy, world, overrides) in CNN_CONFIGS:
+        return "standard"
+    return "dataparallel" if (strategy, world, overrides) in DATAPARALLEL_CONFIGS else "sharded servers"
+
 
 def config_label(strategy: str, world: int, overrides: dict) -> str:
     servers = overrides.get("strategy.servers", 1)
@@ -86,6 +100,10 @@ def main() -> int:
                         help="also run parameter servers sharded over 2 server ranks (reported apart)")
     parser.add_argument("--only-servers", action="store_true", help="run just the --servers configurations")
     parser.add_argument("--cnn", action="store_true", help="run the vision workloads' configurations instead")
+    parser.add_argument("--dataparallel", action="store_true",
+                        help="also run localsgd, diloco, cocod, hpsgd, osp and gossip (reported apart; give "
+                             "--steps of at least twice diloco's period of 20, so that averages are in the mean)")
+    parser.add_argument("--only-dataparallel", action="store_true", help="run just the --dataparallel ones")
     parser.add_argument("--rescore", type=Path, default=None, metavar="JSON",
                         help="run nothing: predict the runs a --json file holds again, with this code")
     args = parser.parse_args()
@@ -112,8 +130,9 @@ def main() -> int:
         rows = []
         facts_cache: dict[str, dict] = {}
         standard = CNN_CONFIGS if args.cnn else CONFIGS
-        configs = ([] if args.only_servers else standard) + (SERVER_CONFIGS if args.servers or args.only_servers
-                                                             else [])
+        only = args.only_servers or args.only_dataparallel
+        configs = (([] if only else standard) + (SERVER_CONFIGS if args.servers or args.only_servers else [])
+                   + (DATAPARALLEL_CONFIGS if args.dataparallel or args.only_dataparallel else []))
         for strategy, world, extra in configs:
             base = {} if "workload.name" in extra else WORKLOAD
             overrides = {**base, "strategy.name": strategy, "cluster.world_size": world,
@@ -142,7 +161,8 @@ def main() -> int:
             if key not in facts_cache:
                 facts_cache[key] = workload_facts(run.config)
             predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
-            rows.append({"config": label, "target_set": (strategy, world, extra) in standard,
+            group = config_group(strategy, world, extra)
+            rows.append({"config": label, "target_set": group == "standard", "group": group,
                          "predicted": predicted, "measured": measured, "error": compare(predicted, measured),
                          "measured_step_s_repeats": [m["step_s"] for _, m in runs],
                          # enough to predict the row again offline (another model, the same runs)
@@ -191,14 +211,16 @@ def print_results(console: Console, rows: list[dict]) -> tuple[float, float]:
     targeted = [r for r in rows if r.get("target_set", True)]
     step_mape = mape(targeted, "step_s_error")
     mem_mape = mape(targeted, "model_state_error")
-    step_median = statistics.median(abs(r["error"]["step_s_error"]) for r in targeted) * 100 if targeted else math.nan
-    console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%), median {step_median:.1f}%   model-state "
-                  f"memory MAPE {mem_mape:.1f}% (target <= 5%), over the {len(targeted)} standard configurations")
-    others = [r for r in rows if not r.get("target_set", True)]
-    if others:
-        console.print(f"sharded servers ({len(others)} configurations, no target): step time MAPE "
-                      f"{mape(others, 'step_s_error'):.1f}%, model-state memory MAPE "
-                      f"{mape(others, 'model_state_error'):.1f}%")
+    if targeted:
+        step_median = statistics.median(abs(r["error"]["step_s_error"]) for r in targeted) * 100
+        console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%), median {step_median:.1f}%   model-state "
+                      f"memory MAPE {mem_mape:.1f}% (target <= 5%), over the {len(targeted)} standard configurations")
+    for group in ("sharded servers", "dataparallel"):
+        others = [r for r in rows if not r.get("target_set", True) and r.get("group", "sharded servers") == group]
+        if others:
+            console.print(f"{group} ({len(others)} configurations, no target): step time MAPE "
+                          f"{mape(others, 'step_s_error'):.1f}%, model-state memory MAPE "
+                          f"{mape(others, 'model_state_error'):.1f}%")
     return step_mape, mem_mape
 
 

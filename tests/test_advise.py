@@ -80,8 +80,12 @@ def test_json_has_the_keys(capsys, tmp_path):
     result = advise_json(capsys, "configs/default.toml", "--cluster", "a100-80gb:1x8", "--db", str(tmp_path / "x.db"))
     assert {"strategies", "recommendation", "reasons", "cluster", "workers", "workload"} <= set(result)
     assert [s["strategy"] for s in result["strategies"]].count("ddp") == 1
-    assert {s["strategy"] for s in result["strategies"]} == {"ddp", "fsdp", "ps-sync", "ps-async", "ssp",
-                                                              "ps-stale-aware"}
+    from ddlscope.specs import strategy_specs
+
+    # every registered multi-process strategy is ranked, the main study's among them
+    ranked = {s["strategy"] for s in result["strategies"]}
+    assert ranked == {c.registered_name for c in strategy_specs() if not c.traits.single_process}
+    assert {"ddp", "fsdp", "ps-sync", "ps-async", "ssp", "ps-stale-aware", "localsgd", "hpsgd"} <= ranked
     for s in result["strategies"]:
         assert {"rank", "step_s", "compute_s", "comm_s", "memory_bytes_per_gpu", "fits", "cost_usd_per_step",
                 "experiment_time_s", "staleness_penalty"} <= set(s)

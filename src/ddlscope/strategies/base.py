@@ -80,13 +80,8 @@ class Strategy(ABC):
         strategy that owns its step overrides this and marks its phases on
         `timer`; the runtime turns them into the step's breakdown.
         """
-        if self.model is None or self.optimizer is None or self.loss_fn is None:
-            raise RuntimeError("train_step before attach(): the runtime attaches the model, optimizer and loss")
-        x, y = batch
-        with timer.phase("forward"):
-            loss = self.loss_fn(self.model(x), y)
-        with timer.phase("backward"):
-            loss.backward()
+        loss = self.forward_backward(batch, timer)
+        assert self.model is not None and self.optimizer is not None
         with timer.phase("synchronize"):
             self.synchronize(self.model)
         with timer.phase("optimizer"):
@@ -94,6 +89,17 @@ class Strategy(ABC):
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             return loss.item()
+
+    def forward_backward(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
+        """The forward and backward passes of this rank's batch, each in its phase; returns the loss."""
+        if self.model is None or self.optimizer is None or self.loss_fn is None:
+            raise RuntimeError("train_step before attach(): the runtime attaches the model, optimizer and loss")
+        x, y = batch
+        with timer.phase("forward"):
+            loss = self.loss_fn(self.model(x), y)
+        with timer.phase("backward"):
+            loss.backward()
+        return loss
 
     def synchronize(self, model: nn.Module) -> None:
         """Explicit communication after backward and before the optimizer step (none by default)."""

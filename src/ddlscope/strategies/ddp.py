@@ -37,7 +37,7 @@ class DDP(Strategy):
             static_graph=self.spec.static_graph,
         )
         state, hook, payload_bytes = self._hook()
-        ddp.register_comm_hook(state, _timed(hook, payload_bytes, self.comm))
+        ddp.register_comm_hook(state, timed_hook(hook, payload_bytes, self.comm))
         return ddp
 
     def _hook(self) -> tuple[Any, Hook, Callable[[Any, dist.GradBucket], int]]:
@@ -50,17 +50,22 @@ class DDP(Strategy):
                 start_powerSGD_iter=self.spec.powersgd_start_iter,
             )
             return state, powerSGD_hook.powerSGD_hook, _powersgd_payload_bytes
-        return None, default_hooks.allreduce_hook, lambda _s, b: b.buffer().numel() * b.buffer().element_size()
+        return None, default_hooks.allreduce_hook, bucket_bytes
 
 
-def _timed(hook: Hook, payload_bytes: Callable[[Any, dist.GradBucket], int], recorder: CommRecorder) -> Hook:
+def bucket_bytes(_state: Any, bucket: dist.GradBucket) -> int:
+    """What a plain all-reduce of the bucket sends."""
+    return bucket.buffer().numel() * bucket.buffer().element_size()
+
+
+def timed_hook(hook: Hook, payload_bytes: Callable[[Any, dist.GradBucket], int], recorder: CommRecorder) -> Hook:
     # No annotations on the hook's parameters: DDP rejects a `bucket` annotation
     # that is not the GradBucket class itself, and postponed annotations are strings.
-    def timed_hook(state, bucket):  # type: ignore[no-untyped-def]
+    def hook_with_timing(state, bucket):  # type: ignore[no-untyped-def]
         pending = recorder.launched(payload_bytes(state, bucket), "all_reduce")
         return recorder.complete_future(hook(state, bucket), pending)
 
-    return timed_hook
+    return hook_with_timing
 
 
 def _powersgd_payload_bytes(state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> int:

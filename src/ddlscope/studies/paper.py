@@ -70,9 +70,10 @@ STRAGGLER_SLOWDOWN = 2.0
 QUICK_WORKERS = 2
 # DDP's scaling on the fast network: one process, then these worker counts (the scaling figure's points).
 SCALING_WORKERS = (2, 4)
-# The study's subjects, by their traits: the collective strategies (DDP, FSDP) and the
-# parameter-server architectures, simplest first.
-DISTRIBUTED = tuple(c.registered_name for c in strategy_specs() if c.traits.family in ("collective", "server"))
+# The study's subjects, by their traits: the synchronous collective strategies (DDP, FSDP) and the
+# parameter-server architectures, simplest first (local SGD and its relatives are `study dataparallel`'s).
+DISTRIBUTED = tuple(c.registered_name for c in strategy_specs()
+                    if c.traits.family == "server" or c.traits.family == "collective" and c.traits.synchronous)
 PS_FAMILY = tuple(name for name in DISTRIBUTED if STRATEGY_SPECS.get(name).traits.family == "server")
 
 

@@ -1,0 +1,123 @@
+"""The model-averaging family (localsgd, diloco, cocod): one all-reduce of the model every `period` steps.
+
+Cluster scale: a step is the slowest worker's compute (the average waits for
+it) plus the average amortised over its period; hierarchical local SGD adds
+the within-node average every `group_period` steps on the node's links;
+CoCoD hides the average behind the next round's compute, so only what
+exceeds `period` steps of compute shows. The warm-up's DDP steps are not in
+the per-step estimate (they are a fixed number of steps at the start).
+
+This machine: the average costs the calibrated gloo all-reduce of the
+parameters (or the emulated link's time, if longer), two passes over them
+(flatten, copy back) and one synchronisation wait (the calibrated
+`sync_overhead_s`), once per period.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ddlscope.calibrate.model import machine_probe, message_s, sync_at
+from ddlscope.predict import collectives as coll
+from ddlscope.predict import strategies as pst
+from ddlscope.predict.estimators import ESTIMATORS
+from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
+from ddlscope.specs.strategies.localsgd import CoCoDSpec, DiLoCoSpec, LocalSGDSpec, ModelAveragingSpec
+
+
+def straggler_bound(est: pst.StrategyEstimate, case: ClusterCase) -> pst.StrategyEstimate:
+    """A strategy that meets every worker at its synchronisations runs at the slowest one's compute."""
+    slowest = max(case.slowdowns) if case.slowdowns else 1.0
+    if slowest <= 1.0:
+        return est
+    extra_s = est.compute_s * (slowest - 1.0)
+    scale = est.step_s / (est.step_s + extra_s)
+    return replace(est, step_s=est.step_s + extra_s, compute_s=est.compute_s + extra_s,
+                   samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
+                   scaling_efficiency=est.scaling_efficiency * scale, notes=est.notes + [
+                       f"waits for a {slowest:g}x slower worker at each synchronisation"])
+
+
+def extra_copies_bytes(case: ClusterCase, copies: float) -> float:
+    """Flat copies of the model a strategy keeps beside the model states (buffers in flight, anchors)."""
+    return copies * case.workload.params * case.weight_bytes_per_param
+
+
+def local_model_all_reduce_s(case: LocalCase, step: LocalStep) -> tuple[float, float]:
+    """(the all-reduce of the flat model, flattening and copying it back) on this machine."""
+    all_reduce_s = message_s(case.profile, "all_reduce", case.param_bytes, case.world, case.link)
+    copies_s = 2 * case.param_bytes / case.memory_bandwidth_bytes_per_s * step.stretch
+    return all_reduce_s, copies_s
+
+
+def local_sync_wait_s(case: LocalCase) -> float:
+    """The calibrated wait of ranks meeting at a synchronisation (gloo's threads waking)."""
+    return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[1]
+
+
+class ModelAveragingEstimator(Estimator):
+    copies = 1.0  # flat model copies beside the model states: the buffer torch's averager all-reduces
+
+    def overlaps(self, spec: ModelAveragingSpec) -> bool:
+        """Whether the average hides behind the next round's compute (CoCoD)."""
+        return False
+
+    def cluster(self, spec: ModelAveragingSpec, case: ClusterCase) -> pst.StrategyEstimate:
+        est = pst.local_sgd(case.workload, case.cluster, period=spec.period, overlap=self.overlaps(spec))
+        est.strategy = spec.name
+        est = self._group_average(spec, case, est)
+        return straggler_bound(est, case)
+
+    def _group_average(self, spec: ModelAveragingSpec, case: ClusterCase,
+                       est: pst.StrategyEstimate) -> pst.StrategyEstimate:
+        return est
+
+    def cluster_memory(self, spec: ModelAveragingSpec, case: ClusterCase) -> tuple[float, float | None]:
+        return case.replicated_state_bytes + case.activation_bytes + extra_copies_bytes(case, self.copies), None
+
+    def local_comm(self, spec: ModelAveragingSpec, case: LocalCase, step: LocalStep) -> LocalComm:
+        all_reduce_s, copies_s = local_model_all_reduce_s(case, step)
+        exposed_s = all_reduce_s
+        if self.overlaps(spec):
+            round_compute_s = spec.period * (step.forward_s + step.backward_s + step.zero_grad_s)
+            exposed_s = max(all_reduce_s - round_compute_s, 0.0)
+        per_average_s = exposed_s + copies_s + local_sync_wait_s(case)
+        comm = LocalComm(per_average_s * spec.averages_per_step(), holds_sync_wait=True)
+        comm.notes.append(f"{spec.name}: one model all-reduce {all_reduce_s * 1e3:.2f} ms"
+                          + (f" ({exposed_s * 1e3:.2f} ms not hidden by the next round)" if self.overlaps(spec) else "")
+                          + f", every {1 / spec.averages_per_step():g} steps")
+        return comm
+
+
+@ESTIMATORS.register(LocalSGDSpec)
+class LocalSGDEstimator(ModelAveragingEstimator):
+    def _group_average(self, spec: LocalSGDSpec, case: ClusterCase,
+                       est: pst.StrategyEstimate) -> pst.StrategyEstimate:
+        """Within-group averages every group_period steps, on the links inside a node."""
+        if not spec.group_period:
+            return est
+        per_node = case.cluster.gpus_per_node
+        group = spec.group_size or per_node
+        bytes_ = case.workload.params * 4.0
+        group_s = float(coll.all_reduce_s(bytes_, group, min(group, per_node), case.cluster.node))
+        # The steps that average across all ranks skip the group average (torch's hierarchy).
+        group_share = 1.0 / spec.group_period - 1.0 / spec.period
+        extra_s = group_s * group_share
+        step = est.step_s + extra_s
+        scale = est.step_s / step
+        return replace(est, step_s=step, comm_s=est.comm_s + extra_s, exposed_comm_s=est.exposed_comm_s + extra_s,
+                       samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
+                       scaling_efficiency=est.scaling_efficiency * scale)
+
+
+@ESTIMATORS.register(DiLoCoSpec)
+class DiLoCoEstimator(LocalSGDEstimator):
+    copies = 3.0  # the averaged buffer, the anchor (model at the last outer step) and its outer momentum
+
+
+@ESTIMATORS.register(CoCoDSpec)
+class CoCoDEstimator(ModelAveragingEstimator):
+    copies = 2.0  # the snapshot and the buffer in flight
+
+    def overlaps(self, spec: CoCoDSpec) -> bool:
+        return spec.overlap

@@ -1,0 +1,277 @@
+"""`ddlscope study dataparallel`: when and with whom workers synchronise.
+
+Local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP and gossip (full study) against DDP (synchronous, every step)
+and asynchronous PS (nobody waits), on the main study's workload, emulated
+networks and straggler (studies/paper.py: cnn-digits, 100 steps of global
+batch 256, so every cell trains on the same samples; the fast and slow
+networks `scaled` to the target GPUs' compute). HPSGD also runs with its
+momentum lowered for the staleness' implicit momentum (the main study's `mc`
+variant). The report gives per cell throughput, exposed communication, bytes
+per step, accuracy at equal samples and time to the target accuracy, the
+papers' claims against what was measured, and which strategy wins in which
+regime, with the numbers behind each verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ddlscope.studies import STUDIES
+from ddlscope.studies.base import Cell, CellResult, Findings, Study, measurement_notes, median_or_none
+from ddlscope.studies.paper import (
+    ACCURACY_SETTINGS, MOMENTUM_COMPENSATED, NETWORKS, QUICK_WORKERS, accuracy_cell, repeated)
+
+# The digits CNN, as `study paper --workload cnn-digits` trains it: synchronisation-bound, where
+# cutting synchronisation shows most.
+SETTING = ACCURACY_SETTINGS["cnn-digits"]
+ACCURACY_WORKLOAD, TARGET_ACCURACY = SETTING.workload, SETTING.target
+
+# The strategies of this study, then its references; "+mc" is the momentum-compensated variant.
+SUBJECTS = ("localsgd", "diloco", "cocod", "hpsgd", f"hpsgd+{MOMENTUM_COMPENSATED}", "osp", "gossip")
+REFERENCES = ("ddp", "ps-async")
+REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homogeneous", "straggler"))
+
+
+def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
+    strategy, _, variant = name.partition("+")
+    return accuracy_cell(SETTING, strategy, network, workers, world, variant)
+
+
+@STUDIES.register("dataparallel")
+class DataParallelStudy(Study):
+    description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip vs DDP and async PS on fast/slow networks, "
+                   "with stragglers")
+    cell_columns = ("step ms", "samples/s", "accuracy", "to target s", "wall s", "staleness")
+
+    def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
+        if quick:
+            # The slow network is where synchronising less pays; the straggler where waiting costs (ps-async's
+            # seeds there are in the main study's quick cells and in the full one here).
+            cells = [cell(s, "slow", "homogeneous") for s in ("ddp", "localsgd", "cocod", f"hpsgd+{MOMENTUM_COMPENSATED}",
+                                                               "diloco", "osp")]
+            cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
+        else:
+            cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
+        return cells + repeated(SETTING, cells, repeats)
+
+    def analyse(self, results: list[CellResult], quick: bool) -> Findings:
+        return _Analysis(results).findings()
+
+
+@dataclass
+class Measured:
+    """One cell's numbers (medians over its seeds)."""
+
+    strategy: str
+    step_s: float | None
+    samples_per_s: float | None
+    exposed_comm_s: float | None
+    bytes_per_step: float | None
+    accuracy: float | None
+    to_target_s: float | None
+    wall_s: float | None
+    seeds: int
+
+
+class _Analysis:
+    def __init__(self, results: list[CellResult]):
+        self.results = results
+        groups: dict[tuple[str, str, str], list[CellResult]] = {}
+        for r in results:
+            labels = r.cell.labels
+            groups.setdefault((labels["strategy"], labels["network"], labels["workers"]), []).append(r)
+        self.cells = {key: _measure(key[0], members) for key, members in groups.items()}
+
+    def get(self, strategy: str, network: str, workers: str = "homogeneous") -> Measured | None:
+        return self.cells.get((strategy, network, workers))
+
+    def findings(self) -> Findings:
+        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco()) if h]
+        regimes = self._regimes()
+        decisions = [line for _, line in regimes]
+        table = self._table()
+        text = "\n".join(table + [""] + [f"- {h['headline']}: paper: {h['paper']} | measured: {h['measured']} | "
+                                        f"{h['verdict']}" for h in headlines]
+                         + ["", "Which strategy wins where:"] + [f"- {d}" for d in decisions])
+        notes = measurement_notes(self.results) + [
+            f"Same samples in every cell: {ACCURACY_WORKLOAD['steps']} steps x global batch "
+            f"{ACCURACY_WORKLOAD['batch_size']}; target accuracy {TARGET_ACCURACY:.0%}; winners are the first to "
+            "reach it (time to target on the effective clock), or the most accurate where none does.",
+            f"hpsgd+{MOMENTUM_COMPENSATED}: momentum {ACCURACY_WORKLOAD['momentum']} lowered by a one-step delay's "
+            "implicit momentum (as for 2 asynchronous workers, studies/paper.py: compensated_momentum)."]
+        return Findings(headlines, decisions, notes, text,
+                        extra={"regimes": [{"regime": key, "verdict": line} for key, line in regimes],
+                               "table": table})
+
+    # -- the summary table ------------------------------------------------------
+    def _table(self) -> list[str]:
+        lines = [f"{'cell':36} {'step ms':>8} {'samples/s':>9} {'exposed ms':>10} {'KB/step':>8} "
+                 f"{'accuracy':>8} {'to 95% s':>8} {'wall s':>7}"]
+        for (strategy, network, workers), m in self.cells.items():
+            lines.append(f"{strategy + '/' + network + '/' + workers:36} {_f(m.step_s, 1e3, 8, 1)} "
+                         f"{_f(m.samples_per_s, 1, 9, 0)} {_f(m.exposed_comm_s, 1e3, 10, 1)} "
+                         f"{_f(m.bytes_per_step, 1e-3, 8, 1)} {_f(m.accuracy, 100, 7, 1)}% "
+                         f"{_f(m.to_target_s, 1, 8, 1)} {_f(m.wall_s, 1, 7, 1)}")
+        return lines
+
+    # -- the papers' claims -----------------------------------------------------
+    def _versus(self, mine: str, theirs: str, network: str) -> tuple[Measured, Measured] | None:
+        a, b = self.get(mine, network), self.get(theirs, network)
+        return (a, b) if a and b and a.step_s and b.step_s and a.accuracy is not None and b.accuracy is not None \
+            else None
+
+    def _local_sgd(self) -> dict[str, str] | None:
+        pair = self._versus("localsgd", "ddp", "slow")
+        if not pair:
+            return None
+        local, ddp = pair
+        ratio = local.step_s / ddp.step_s
+        points = (local.accuracy - ddp.accuracy) * 100
+        measured = (f"slow network: step {local.step_s * 1e3:.1f} ms vs DDP's {ddp.step_s * 1e3:.1f} ms "
+                    f"({ratio:.2f}x), {_kb(local.bytes_per_step)} vs {_kb(ddp.bytes_per_step)} a step, accuracy "
+                    f"{local.accuracy:.1%} vs {ddp.accuracy:.1%} ({points:+.1f} points)")
+        verdict = ("agrees: fewer all-reduces, faster steps, accuracy within 2 points" if ratio < 1 and points > -2
+                   else "partly: faster, but accuracy fell by more than 2 points" if ratio < 1
+                   else "differs: not faster than DDP here")
+        return {"headline": "Local SGD vs DDP", "paper": "averaging every H steps cuts communication H-fold at "
+                "little accuracy cost for small H (Lin et al. 2020)", "measured": measured, "verdict": verdict}
+
+    def _cocod(self) -> dict[str, str] | None:
+        pair, local = self._versus("cocod", "ddp", "slow"), self.get("localsgd", "slow")
+        if not pair:
+            return None
+        cocod, ddp = pair
+        speedup = ddp.step_s / cocod.step_s
+        measured = (f"slow network, 2 workers: {speedup:.2f}x DDP's throughput, exposed communication "
+                    f"{_ms(cocod.exposed_comm_s)} a step vs DDP's {_ms(ddp.exposed_comm_s)}"
+                    + (f" and local SGD's {_ms(local.exposed_comm_s)}" if local else "")
+                    + f"; accuracy {cocod.accuracy:.1%} vs {ddp.accuracy:.1%}")
+        hides = local is not None and (cocod.exposed_comm_s or 0) <= (local.exposed_comm_s or 0)
+        verdict = ("agrees on the direction: " if speedup > 1 else "differs: ") + (
+            f"{speedup:.2f}x at 2 workers (the paper's 2-3x is at 16 GPUs)")
+        if local is not None:
+            verdict += ("; the in-flight average hid communication local SGD exposed" if hides
+                        else "; it exposed no less communication than local SGD here")
+        return {"headline": "CoCoD-SGD vs synchronous SGD", "paper": "2-3x over synchronous SGD on 16 GPUs "
+                "(PAPERS.md item 19)", "measured": measured, "verdict": verdict}
+
+    def _hpsgd(self) -> dict[str, str] | None:
+        ddp = self.get("ddp", "slow")
+        variants = [m for m in (self.get("hpsgd", "slow"), self.get(f"hpsgd+{MOMENTUM_COMPENSATED}", "slow")) if m]
+        if not ddp or not variants or not ddp.step_s:
+            return None
+        parts = [f"{m.strategy}: step {_ms(m.step_s)} ({(m.step_s or math.nan) / ddp.step_s:.2f}x DDP's), exposed "
+                 f"{_ms(m.exposed_comm_s)} vs {_ms(ddp.exposed_comm_s)}, accuracy {_pct(m.accuracy)}"
+                 for m in variants]
+        measured = "slow network: " + "; ".join(parts) + f"; DDP {_pct(ddp.accuracy)}"
+        faster = all((m.step_s or math.inf) < ddp.step_s for m in variants)
+        best = max((m.accuracy or 0.0) for m in variants)
+        verdict = ("agrees: the overlap shortens the step" if faster else "differs: no shorter step here")
+        verdict += ("; staleness cost accuracy" if best < (ddp.accuracy or 0) - 0.02 else "; accuracy kept")
+        return {"headline": "HPSGD vs DDP", "paper": "synchronisation in parallel with the next step's compute, "
+                "with one-step-stale gradients (PAPERS.md item 10)", "measured": measured, "verdict": verdict}
+
+    def _osp(self) -> dict[str, str] | None:
+        pair = self._versus("osp", "ddp", "slow")
+        if not pair:
+            return None
+        osp, ddp = pair
+        gain = ddp.step_s / osp.step_s - 1
+        points = (osp.accuracy - ddp.accuracy) * 100
+        measured = (f"slow network: {gain:+.0%} throughput over DDP, exposed communication {_ms(osp.exposed_comm_s)} "
+                    f"vs {_ms(ddp.exposed_comm_s)} a step, accuracy {osp.accuracy:.1%} vs {ddp.accuracy:.1%} "
+                    f"({points:+.1f} points)")
+        verdict = ("agrees: more throughput at about DDP's accuracy" if gain > 0 and points > -2 else
+                   "partly: more throughput, less accuracy" if gain > 0 else "differs: no more throughput here")
+        return {"headline": "OSP vs DDP", "paper": "up to 50% more throughput, accuracy kept by the local-gradient "
+                "correction (PAPERS.md item 16)", "measured": measured, "verdict": verdict}
+
+    def _diloco(self) -> dict[str, str] | None:
+        pair = self._versus("diloco", "localsgd", "slow")
+        ddp = self.get("ddp", "slow")
+        if not pair or not ddp or not ddp.bytes_per_step:
+            return None
+        diloco, local = pair
+        less = ddp.bytes_per_step / (diloco.bytes_per_step or math.nan)
+        measured = (f"slow network: {less:.0f}x fewer bytes than DDP, step {_ms(diloco.step_s)} vs local SGD's "
+                    f"{_ms(local.step_s)}, accuracy {diloco.accuracy:.1%} vs local SGD's {local.accuracy:.1%} and "
+                    f"DDP's {_pct(ddp.accuracy)}")
+        verdict = ("agrees: rare averages kept the accuracy" if diloco.accuracy >= (ddp.accuracy or 0) - 0.02
+                   else "partly: far less communication, but accuracy fell by more than 2 points")
+        return {"headline": "DiLoCo", "paper": "hundreds of times less communication at similar quality (outer "
+                "Nesterov momentum, Douillard et al. 2023)", "measured": measured, "verdict": verdict}
+
+    # -- which strategy wins where ------------------------------------------------
+    def _regimes(self) -> list[tuple[str, str]]:
+        out = []
+        for network, workers in REGIMES:
+            cells = [m for (s, n, w), m in self.cells.items() if n == network and w == workers]
+            if not cells:
+                continue
+            reached = [m for m in cells if m.to_target_s is not None]
+            if reached:
+                best = min(reached, key=lambda m: m.to_target_s or math.inf)
+                why = f"first to {TARGET_ACCURACY:.0%} accuracy in {best.to_target_s:.1f} s"
+            else:
+                best = max(cells, key=lambda m: m.accuracy or 0.0)
+                why = f"none reached {TARGET_ACCURACY:.0%}; the most accurate"
+            others = sorted((m for m in cells if m is not best), key=lambda m: m.to_target_s or math.inf)
+            behind = ", ".join(f"{m.strategy} {_s(m.to_target_s)} ({_pct(m.accuracy)})" for m in others)
+            line = (f"{network} network, {workers} workers: {best.strategy} wins ({why}; accuracy "
+                    f"{_pct(best.accuracy)}, step {_ms(best.step_s)}, {_kb(best.bytes_per_step)} a step)"
+                    + (f"; then {behind}" if behind else ""))
+            out.append((f"{network}/{workers}", line))
+        return out
+
+
+def _measure(strategy: str, members: list[CellResult]) -> Measured:
+    def median(value) -> float | None:  # type: ignore[no-untyped-def]
+        return median_or_none([value(r) for r in members])
+
+    def to_target(r: CellResult) -> float | None:
+        return r.summary.time_to_metric_s(TARGET_ACCURACY)
+
+    return Measured(
+        strategy=strategy,
+        step_s=median(lambda r: r.summary.effective_step_s),
+        samples_per_s=median(lambda r: _throughput(r)),
+        exposed_comm_s=median(lambda r: r.summary.comm.get("exposed_s")),
+        bytes_per_step=median(lambda r: r.summary.comm.get("bytes_sent_per_step")),
+        accuracy=median(lambda r: r.summary.final_eval["metric"] if r.summary.final_eval else None),
+        # a seed that never reached the target counts as never: the median is None when most did not
+        to_target_s=_median_to_target([to_target(r) for r in members]),
+        wall_s=median(lambda r: r.summary.effective_wall_s),
+        seeds=len(members))
+
+
+def _throughput(r: CellResult) -> float | None:
+    from ddlscope.studies.base import effective_throughput
+
+    return effective_throughput(r.summary)
+
+
+def _median_to_target(values: list[float | None]) -> float | None:
+    ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+    middle = ordered[(len(ordered) - 1) // 2] if ordered else None
+    return middle
+
+
+def _f(value: float | None, scale: float, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value * scale:>{width}.{digits}f}"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1e3:.1f} ms"
+
+
+def _s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _kb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e3:.1f} KB"
