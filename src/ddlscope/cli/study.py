@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load
 
 def study(
     name: Annotated[str, typer.Argument(help="Study name (see `ddlscope studies`); `paper` is the main study.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 5 minutes here).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 8 minutes on 2 cores).")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
     repeats: Annotated[int, typer.Option("--repeats", help="Seeds per cell whose outcome varies from run to run "
                                          "(the parameter servers'); headlines read their medians.")] = 3,
