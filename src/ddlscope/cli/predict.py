@@ -327,9 +327,11 @@ def _required(value: Any, what: str) -> Any:
 
 def _is_cnn(model_raw: dict[str, Any]) -> bool:
     name = model_raw.get("name", "gpt")
-    if name not in MODELS and name not in _vision_workloads():
-        raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}, or a vision workload: "
-                          f"{', '.join(_vision_workloads())}")
+    if name not in MODELS:
+        workloads = _vision_workloads()
+        if name not in workloads:
+            raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}, or a vision workload: "
+                              f"{', '.join(workloads)}")
     return name != "gpt"
 
 
@@ -344,13 +346,15 @@ def _vision_workloads() -> tuple[str, ...]:
 def _workload_layers(name: str) -> tuple[Any, ...]:
     """The registered workload's network (its default knobs) as predict/cnn.py's layers, recorded
     from one real forward (runtime/profiler.py); the data set is generated at its smallest."""
+    import torch
+
     from ddlscope.predict.cnn import Layer
     from ddlscope.runtime.profiler import cnn_layer_records
     from ddlscope.workloads import WORKLOADS
 
     workload = WORKLOADS.get(name)
     task = workload.build(workload.spec_class(samples=10, test_samples=10), seed=0)
-    image, _ = task.train.get(__import__("torch").arange(1))
+    image, _ = task.train.get(torch.arange(1))
     return tuple(Layer(**record) for record in cnn_layer_records(task.model, image))
 
 

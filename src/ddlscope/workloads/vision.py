@@ -34,6 +34,7 @@ import hashlib
 import math
 import os
 import tempfile
+from abc import abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -407,37 +408,46 @@ remember_spec_class(ConvnextCifarSpec)
 DATA_NOTE = "synthetic CIFAR-like 32x32x3 gratings, 10 classes"
 
 
+class _VisionWorkload(Workload):
+    """What the vision workloads share: seed the initialisation, build the network, add the data."""
+
+    @classmethod
+    def build(cls, spec: WorkloadSpec, seed: int) -> Task:
+        spec = cls.checked(spec)
+        torch.manual_seed(seed)
+        return _task(cls.network(spec), spec, seed)
+
+    @staticmethod
+    @abstractmethod
+    def network(spec) -> nn.Module:  # noqa: ANN001 (each subclass's own spec class)
+        """The untrained network the spec describes."""
+
+
 @WORKLOADS.register("resnet-cifar")
-class ResnetCifar(Workload):
+class ResnetCifar(_VisionWorkload):
     spec_class: ClassVar[type[WorkloadSpec]] = ResnetCifarSpec
     description: ClassVar[str] = f"CIFAR ResNet (basic blocks, GroupNorm) on {DATA_NOTE}, accuracy"
 
-    @classmethod
-    def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        spec = cls.checked(spec)
-        torch.manual_seed(seed)
-        return _task(ResNet(spec.width, spec.blocks), spec, seed)
+    @staticmethod
+    def network(spec: ResnetCifarSpec) -> nn.Module:
+        return ResNet(spec.width, spec.blocks)
 
 
 @WORKLOADS.register("vgg-cifar")
-class VggCifar(Workload):
+class VggCifar(_VisionWorkload):
     spec_class: ClassVar[type[WorkloadSpec]] = VggCifarSpec
     description: ClassVar[str] = f"VGG (config list, GroupNorm) on {DATA_NOTE}, accuracy"
 
-    @classmethod
-    def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        spec = cls.checked(spec)
-        torch.manual_seed(seed)
-        return _task(VGG(spec.depth, spec.width), spec, seed)
+    @staticmethod
+    def network(spec: VggCifarSpec) -> nn.Module:
+        return VGG(spec.depth, spec.width)
 
 
 @WORKLOADS.register("convnext-cifar")
-class ConvnextCifar(Workload):
+class ConvnextCifar(_VisionWorkload):
     spec_class: ClassVar[type[WorkloadSpec]] = ConvnextCifarSpec
     description: ClassVar[str] = f"CIFAR ConvNeXt (depthwise 7x7, inverted bottleneck, GELU) on {DATA_NOTE}, accuracy"
 
-    @classmethod
-    def build(cls, spec: WorkloadSpec, seed: int) -> Task:
-        spec = cls.checked(spec)
-        torch.manual_seed(seed)
-        return _task(ConvNeXt(spec.width, spec.depth), spec, seed)
+    @staticmethod
+    def network(spec: ConvnextCifarSpec) -> nn.Module:
+        return ConvNeXt(spec.width, spec.depth)
