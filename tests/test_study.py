@@ -47,8 +47,10 @@ def test_paper_cells_are_valid_experiments():
     assert len(samples) == 1  # the same samples in every accuracy cell
     straggler = next(c for c in quick if c.key == "ps-async/fast/straggler/w2")
     assert straggler.experiment.cluster.slowdown == [1.0, 2.0]
-    # DDP's scaling: one process, 2 and 4 workers, on both networks; the paper's regime by default
-    assert {"ddp/fast/homogeneous/w4", "ddp/slow/homogeneous/w4"} <= keys
+    # DDP's scaling: one process, 2 and 4 workers on the fast network (the full study: both networks);
+    # the paper's regime by default
+    assert "ddp/fast/homogeneous/w4" in keys and "ddp/slow/homogeneous/w4" not in keys
+    assert {"ddp/fast/homogeneous/w4", "ddp/slow/homogeneous/w4"} <= {c.key for c in full}
     assert {c.experiment.workload.name for c in quick if c.labels["part"] == "accuracy"} == {"resnet-cifar"}
     digits = STUDIES.get("paper")("cnn-digits").cells(quick=True)
     assert {c.experiment.workload.name for c in digits if c.labels["part"] == "accuracy"} == {"cnn-digits"}
@@ -56,7 +58,7 @@ def test_paper_cells_are_valid_experiments():
         STUDIES.get("paper")("mlp-digits")
 
 
-def _ddp_scaling(fast_w4_step_s: float, comm_share: float = 0.0):
+def _ddp_scaling(fast_w4_step_s: float, comm_share: float = 0.0, slow_w4: bool = True):
     def ddp(network, world, step_s):
         labels = {"part": "accuracy", "strategy": "ddp", "network": network, "workers": "homogeneous",
                   "world_size": world, "workload": "resnet-cifar"}
@@ -66,8 +68,8 @@ def _ddp_scaling(fast_w4_step_s: float, comm_share: float = 0.0):
 
     single = _result("single/w1", {"part": "accuracy", "strategy": "single", "network": "none",
                                    "workers": "homogeneous", "world_size": 1}, 0.010, 1.0, 0.9)
-    results = [single, ddp("fast", 2, 0.006), ddp("fast", 4, fast_w4_step_s), ddp("slow", 2, 0.012),
-               ddp("slow", 4, 0.011)]
+    results = [single, ddp("fast", 2, 0.006), ddp("fast", 4, fast_w4_step_s), ddp("slow", 2, 0.012)]
+    results += [ddp("slow", 4, 0.011)] if slow_w4 else []
     findings = STUDIES.get("paper")().analyse(results, quick=True)
     return {h["headline"]: h for h in findings.headlines}["DDP speedup over one device"]
 
@@ -83,6 +85,10 @@ def test_ddp_headline_reads_every_worker_count_and_judges_the_largest():
     flat = _ddp_scaling(0.0080, comm_share=0.4)  # 1.25x at 4 workers
     assert flat["verdict"].startswith("partly") and "compute per byte of gradient" in flat["verdict"]
     assert "gradient exchange took 40% of a step at 4 workers" in flat["verdict"]
+    quick = _ddp_scaling(0.004, slow_w4=False)  # the quick study runs the slow network at 2 workers only
+    assert "; on the slow one 0.83x at 2;" in quick["measured"] + ";"
+    assert "2.5x at 4 workers is within the paper's 2-3x" in quick["verdict"]
+    assert _ddp_scaling(0.011 * 1.05)["verdict"].startswith("differs")  # slower than the slow network at 4
 
 
 def test_compensated_momentum():
@@ -279,3 +285,18 @@ def test_cell_table_leaves_out_columns_no_cell_has():
 
     console.print(cell_table([_result("ddp/w2", {"strategy": "ddp"}, 0.02, 2.0, None)], SweepStudy.cell_columns))
     assert console.export_text().splitlines()[0].split() == ["cell", "step", "ms", "samples/s", "wall", "s"]
+
+
+@pytest.mark.parametrize("flags, seeds", [(["--quick"], 2), ([], 3), (["--quick", "--repeats", "4"], 4)])
+def test_study_command_runs_two_seeds_when_quick_and_three_otherwise(monkeypatch, tmp_path, flags, seeds):
+    """The quick study's time budget takes one seed off each varying cell; --repeats overrides either."""
+    from typer.testing import CliRunner
+
+    import ddlscope.cli.study as study_cli
+    from ddlscope.cli import app
+
+    ran: list = []
+    monkeypatch.setattr(study_cli, "run_study_command", lambda _cmd, _study, _name, cells, *rest: ran.extend(cells))
+    result = CliRunner().invoke(app, ["study", "paper", *flags, "--db", str(tmp_path / "s.db")])
+    assert result.exit_code == 0, result.output
+    assert max(c.experiment.seed for c in ran if c.labels["strategy"] == "ps-async") == seeds - 1

@@ -19,6 +19,10 @@ from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_local_ra
                                  err_console)
 from ddlscope.specs import ConfigError
 
+# Seeds of each cell whose outcome varies from run to run: three for the full study's medians, two for
+# the quick one (its time budget); `--repeats` sets either.
+QUICK_REPEATS, FULL_REPEATS = 2, 3
+
 if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load it when a command runs
     from ddlscope.studies.base import Cell, CellResult, Study
     from ddlscope.studies.runner import StudyOutcome
@@ -26,10 +30,11 @@ if TYPE_CHECKING:  # the studies layer imports torch (through the runtime): load
 
 def study(
     name: Annotated[str, typer.Argument(help="Study name (see `ddlscope studies`); `paper` is the main study.")],
-    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 8 minutes on 2 cores).")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Only the cells each headline needs (about 6 minutes on 2 cores).")] = False,
     fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
-    repeats: Annotated[int, typer.Option("--repeats", help="Seeds per cell whose outcome varies from run to run "
-                                         "(the parameter servers'); headlines read their medians.")] = 3,
+    repeats: Annotated[Optional[int], typer.Option("--repeats", help="Seeds per cell whose outcome varies from run to "
+                                                   "run (the asynchronous parameter servers'); headlines read their "
+                                                   f"medians. Default: {QUICK_REPEATS} with --quick, else {FULL_REPEATS}.")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="The workload its accuracy cells train "
                                                     "(paper: resnet-cifar, the default, or cnn-digits).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
@@ -46,6 +51,8 @@ def study(
     except ValueError as exc:
         raise UserError(f"study {name}: {exc}") from None
     check_db_folder(db)
+    if repeats is None:
+        repeats = QUICK_REPEATS if quick else FULL_REPEATS
     if not 1 <= repeats <= MAX_REPEATS:
         raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_REPEATS}")
     run_study_command("study", study_obj, name, study_obj.cells(quick, repeats), db, fresh,
