@@ -14,7 +14,7 @@ from conftest import SRC
 from ddlscope.calibrate import write_profile
 from ddlscope.predict.local import model_state_bytes, predict_local
 from ddlscope.specs import ConfigError
-from ddlscope.calibrate.model import message_s
+from ddlscope.calibrate.model import OPS_PER_PARAM_OPTIMIZER, message_s, optimizer_kind
 from ddlscope.calibrate.profile import CalibrationProfile, CollectiveFit, SyncProbe
 
 PROFILE = {
@@ -149,6 +149,15 @@ def test_probes_enter_the_prediction():
     # an emulated link slower than the machine sets each unit's floor
     slow = {"network": {"emulated": True, "alpha_s": 1e-3, "bandwidth_bytes_per_s": 1e6}}
     assert predict_local(_config("fsdp"), slow, FACTS, probed)["step_s"] > fsdp["step_s"] + 4 * 1e-3
+    # the optimizer steps DTensor shards at the fsdp probe's per-tensor cost, scaled to the run's optimizer
+    sharded = {**probed, "fsdp": {"ws2": {**probed["fsdp"]["ws2"], "optimizer_tensor_s": 1e-4}}}
+    extra_s = predict_local(_config("fsdp"), {}, FACTS, sharded)["breakdown_s"]["optimizer_s"] - \
+        fsdp["breakdown_s"]["optimizer_s"]
+    plain_tensor_s = PROFILE["compute"].get("optimizer_tensor_s", 2 * PROFILE["compute"]["op_overhead_s"])
+    ops = OPS_PER_PARAM_OPTIMIZER[optimizer_kind(FACTS)] / 2
+    assert extra_s == pytest.approx(len(FACTS["param_numel"]) * (1e-4 - plain_tensor_s) * ops * 1.5)  # x stretch
+    assert predict_local(_config("ddp"), {}, FACTS, sharded)["breakdown_s"]["optimizer_s"] == \
+        ddp["breakdown_s"]["optimizer_s"]  # DDP's parameters are plain tensors
     # every parameter-server worker blocks on its server each step, async too
     assert predict_local(_config("ps-async", servers=1), {}, FACTS, probed)["sync_overhead_s"] == pytest.approx(2e-3)
 

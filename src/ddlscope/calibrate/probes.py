@@ -381,7 +381,29 @@ def _strategy_probes(repeats: int, quick: bool) -> dict[str, dict[str, Any]]:
         fsdp_s = _wrapped_step_overhead_s(width, shard_blocks, repeats)
         probes["fsdp"]["unit_bytes"].append(block_bytes)
         probes["fsdp"]["unit_overhead_s"].append(fsdp_s / PROBE_BLOCKS)
+    probes["fsdp"]["optimizer_tensor_s"] = _sharded_optimizer_tensor_s(shard_blocks, repeats)
     return probes
+
+
+def _sharded_optimizer_tensor_s(shard: Any, repeats: int) -> float:
+    """Plain SGD's step per parameter tensor when the parameters are FSDP's DTensor shards, the
+    slowest rank's: every tensor op of the step goes through DTensor's dispatch, which costs a
+    sharded model's optimizer several times a plain tensor's (compute.optimizer_tensor_s) on a CPU.
+    The width is the smallest probe's, so that the per-tensor cost is what is timed, not the bytes."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    width = PROBE_WIDTHS[0]
+    model = shard(nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(PROBE_BLOCKS)]))
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    step_s = torch.tensor([_median_time(optimizer.step, max(5, repeats), inner=10) / len(params)],
+                          dtype=torch.float64)
+    dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    return float(step_s)
 
 
 INCAST_SIZES = (64 << 10, 1 << 20, 4 << 20)

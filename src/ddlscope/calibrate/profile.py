@@ -137,6 +137,7 @@ class DdpProbe(_Table):
 class FsdpProbe(_Table):
     unit_bytes: Numbers | None = None
     unit_overhead_s: Numbers | None = None
+    optimizer_tensor_s: Number | None = None  # plain SGD's step per DTensor-sharded parameter tensor
 
 
 class ServerProbe(_Table):

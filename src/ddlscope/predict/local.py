@@ -48,7 +48,8 @@ Per step and rank:
   the transport probe's rounds with compute (which hold the wait for the
   other workers' pushes; it also gives PS workers their compute stretch).
 - optimizer: 3 passes over the parameters at memory bandwidth plus per-tensor
-  op overheads (none on PS workers: the server steps).
+  op overheads (fsdp: the calibrated step per DTensor shard, several times a
+  plain tensor's; none on PS workers: the server steps).
 - model states per rank: parameters / gradients / optimizer bytes (ddp
   replicated; fsdp dim-0 shards padded to ceil(dim0 / world); ps workers hold
   parameters + gradients, each server its shard and the optimizer state).
@@ -139,7 +140,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
 
     n_tensors = len(facts["param_numel"])
     local_params = estimator.local_optimizer_bytes(spec, case)
-    optimizer_s = (n_tensors * case.per_tensor_s
+    optimizer_s = (n_tensors * estimator.local_optimizer_tensor_s(spec, case)
                    + (3 + 2 * STATE_TENSORS[case.optimizer_kind]) * local_params / mem_bw) * stretch
     zero_grad_s = n_tensors * op_s * stretch
     comm = estimator.local_comm(spec, case, LocalStep(stretch, forward_s, backward_s, zero_grad_s))

@@ -102,6 +102,10 @@ class Estimator:
         """Parameter bytes the optimizer steps on one worker."""
         return case.param_bytes
 
+    def local_optimizer_tensor_s(self, spec: StrategySpec, case: LocalCase) -> float:
+        """The optimizer's overhead per parameter tensor on one worker: a plain tensor's by default."""
+        return case.per_tensor_s
+
     def local_comm(self, spec: StrategySpec, case: LocalCase, step: LocalStep) -> LocalComm:
         """Communication per step on this machine."""
         raise NotImplementedError

@@ -7,7 +7,8 @@ from dataclasses import replace
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
-from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required, shard_bytes
+from ddlscope.calibrate.model import (OPS_PER_PARAM_OPTIMIZER, emulated_s, interpolate_linear, machine_probe, message_s,
+                                     required, shard_bytes)
 from ddlscope.specs.strategies.fsdp import FSDPSpec
 
 
@@ -25,6 +26,15 @@ class FSDPEstimator(Estimator):
 
     def local_optimizer_bytes(self, spec: FSDPSpec, case: LocalCase) -> float:
         return shard_bytes(case.facts, case.world)
+
+    def local_optimizer_tensor_s(self, spec: FSDPSpec, case: LocalCase) -> float:
+        """The calibrated per-tensor step on DTensor shards (every op through DTensor's dispatch), scaled
+        from plain SGD to the run's optimizer as the plain-tensor figure is; that figure where the
+        calibration predates the probe."""
+        probe = machine_probe(case.profile, "fsdp", case.world)
+        if probe is None or probe.optimizer_tensor_s is None:
+            return case.per_tensor_s
+        return float(probe.optimizer_tensor_s) * OPS_PER_PARAM_OPTIMIZER[case.optimizer_kind] / 2
 
     def local_memory(self, spec: FSDPSpec, case: LocalCase) -> dict[str, dict[str, int]]:
         shard = shard_bytes(case.facts, case.world)  # dim-0 shards padded to ceil(dim0 / world)
