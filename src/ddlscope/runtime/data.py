@@ -62,13 +62,13 @@ def step_batches(task: Task, exp: Experiment, rank: int, ranks: int, per_rank: i
                  first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (inputs, targets) for steps first_step, first_step + 1, ...: from the in-memory split
     (the global batch's slice, GlobalBatchSampler) or, with workload.data = parquet, from the rank's
-    Parquet shards through the loader workers (runtime/pipeline.py). Both are functions of the step,
+    Parquet shards through the loader workers (runtime/parquet_data.py). Both are functions of the step,
     so a run resumed at any step reads what the uninterrupted run read."""
     spec = exp.workload
     if spec.data == "memory":
         sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
         return (task.train.get(sampler.rank_batch(step, rank, per_rank)) for step in itertools.count(first_step))
-    from ddlscope.runtime.pipeline import PipelineLoader, RankOrder, write_shards
+    from ddlscope.runtime.parquet_data import PipelineLoader, RankOrder, write_shards
     from ddlscope.workloads.vision import _cache_dir  # the package's data cache (DDLSCOPE_CACHE_DIR)
 
     data_knobs = spec.model_dump_json(exclude=TRAINING_ONLY_FIELDS)  # one folder per data, not per training setup
