@@ -14,8 +14,11 @@ if TYPE_CHECKING:
 
 FLOAT_BYTES = 4
 # Tensors autograd keeps per edge and head in sparse attention: the gathered q, k and v rows (head_dim
-# each) and about four per-edge scalars (scores, exp, normalised weights, their product with v's norm).
-SPARSE_EDGE_SCALARS = 4
+# each) and about six per-edge scalars (scores, exp, the gathered denominator, weights, ...).
+SPARSE_EDGE_SCALARS = 6
+# Dense attention keeps the softmax weights per node pair and head, and the boolean edge mask (a
+# quarter of a float) per node pair.
+DENSE_MASK_FLOATS = 0.25
 # Per node and layer, in units of hidden: the block's LayerNorms, qkv, projection and 4x MLP.
 NODE_HIDDEN_UNITS = 16
 
@@ -25,7 +28,7 @@ def attention_activation_bytes(workload: Any, ranks: int) -> float:
     ways (1: the whole graph). Sparse attention costs per edge, dense per node pair."""
     nodes, hidden, heads, layers = workload.nodes, workload.hidden, workload.heads, workload.layers
     if workload.attention == "dense":
-        per_layer = nodes * nodes / ranks * heads * 3  # mask, scores, softmax weights
+        per_layer = nodes * nodes / ranks * (heads + DENSE_MASK_FLOATS)
     else:
         per_layer = workload.edges_estimate() / ranks * (3 * hidden + SPARSE_EDGE_SCALARS * heads)
     return layers * FLOAT_BYTES * (per_layer + nodes / ranks * NODE_HIDDEN_UNITS * hidden)
