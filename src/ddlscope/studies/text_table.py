@@ -12,7 +12,7 @@ def render_rows(rows: list[dict[str, Any]], title: str = "") -> str:
     headers = list(rows[0])
     cells = [[_cell(row.get(h)) for h in headers] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row.get(h), (int, float)) for row in rows) for h in headers]
+    numeric = [all(isinstance(row.get(h), (int, float)) for row in rows if row.get(h) is not None) for h in headers]
 
     def line(values: list[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
