@@ -36,6 +36,11 @@ def workloads() -> None:
     from ddlscope.workloads import WORKLOADS
 
     _print_catalogue("workload", WORKLOADS.items(), base_fields=set(WorkloadSpec.model_fields))
+    shared = ", ".join(f"{name}={field.default!r}" for name, field in WorkloadSpec.model_fields.items()
+                       if name != "name")
+    # the data pipeline is a knob of every workload: say so where workloads are listed
+    console.print(f"every workload also takes: {shared} (data = 'parquet': sharded Parquet through loader "
+                  "workers, docs/data-pipeline.md)", soft_wrap=True)
 
 
 def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[str]) -> None:

@@ -10,7 +10,19 @@ of two DDP ranks with batch b.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import math
+from typing import Iterator
+
 import torch
+
+from ddlscope.specs import Experiment
+from ddlscope.workloads.base import Task
+
+PARQUET_SHARDS = 8  # at least; a multiple of the ranks that read them
+TRAINING_ONLY_FIELDS = {"batch_size", "steps", "eval_every", "eval_batches", "optimizer", "lr", "momentum",
+                        "weight_decay", "data", "data_workers"}
 
 
 class GlobalBatchSampler:
@@ -44,3 +56,25 @@ class GlobalBatchSampler:
 
     def rank_batch(self, step: int, rank: int, per_rank: int) -> torch.Tensor:
         return self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
+
+
+def step_batches(task: Task, exp: Experiment, rank: int, ranks: int, per_rank: int,
+                 first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's (inputs, targets) for steps first_step, first_step + 1, ...: from the in-memory split
+    (the global batch's slice, GlobalBatchSampler) or, with workload.data = parquet, from the rank's
+    Parquet shards through the loader workers (runtime/parquet_data.py). Both are functions of the step,
+    so a run resumed at any step reads what the uninterrupted run read."""
+    spec = exp.workload
+    if spec.data == "memory":
+        sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
+        return (task.train.get(sampler.rank_batch(step, rank, per_rank)) for step in itertools.count(first_step))
+    from ddlscope.runtime.parquet_data import PipelineLoader, RankOrder, write_shards
+    from ddlscope.workloads.vision import _cache_dir  # the package's data cache (DDLSCOPE_CACHE_DIR)
+
+    data_knobs = spec.model_dump_json(exclude=TRAINING_ONLY_FIELDS)  # one folder per data, not per training setup
+    key = hashlib.sha256(f"{data_knobs}|{exp.seed}".encode()).hexdigest()[:16]
+    shards = write_shards(task.train, _cache_dir() / "parquet" / f"{spec.name}-{key}",
+                          ranks * math.ceil(PARQUET_SHARDS / ranks))
+    order = RankOrder(shards, rank, ranks, exp.seed, per_rank)
+    local = _cache_dir() / "parquet-local" / f"{spec.name}-{key}" / f"rank{rank}"
+    return PipelineLoader(order, local, workers=spec.data_workers).batches(first_step)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ddlscope.runtime.checkpoint import Checkpointer, rng_state, set_rng_state
-from ddlscope.runtime.data import GlobalBatchSampler
+from ddlscope.runtime.data import step_batches
 from ddlscope.runtime.heartbeat import Heartbeat
 from ddlscope.runtime.instrument import (
     ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
@@ -68,9 +68,9 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         strategy.comm.on_launch = heartbeat.comm
     straggler = _Straggler(exp, ctx.rank)
     first_step = _restore(checkpointer, model, optimizer, strategy, straggler, writer)
-    sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
     per_rank = exp.per_rank_batch()
-    data_rank = ctx.rank if exp.strategy.traits.splits_global_batch else 0
+    splits = exp.strategy.traits.splits_global_batch
+    batches = step_batches(task, exp, ctx.rank if splits else 0, ctx.workers if splits else 1, per_rank, first_step)
     memory_step = min(first_step + 1, spec.steps - 1)  # the first step pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
@@ -108,8 +108,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         tracer.before_step(step)
         timer.start(clock())
         with timer.phase("data"):
-            x, y = (t.to(device, non_blocking=True)
-                    for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
+            x, y = (t.to(device, non_blocking=True) for t in next(batches))
         with meter.measure() if measuring else nullcontext():
             loss_value = strategy.train_step((x, y), timer)
         if measuring:

@@ -35,6 +35,10 @@ class WorkloadSpec(Spec):
     lr: float = Field(0.05, gt=0, description="learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0)
+    data: Literal["memory", "parquet"] = Field(
+        "memory", description="memory: batches indexed from the in-memory split; parquet: the split as sharded "
+        "Parquet files, per-rank shards read, decoded and augmented by loader workers (runtime/parquet_data.py)")
+    data_workers: int = Field(2, ge=0, le=16, description="loader worker processes per rank (data = parquet)")
 
     @field_validator("batch_size", "steps", "eval_every", "eval_batches", check_fields=False)
     @classmethod

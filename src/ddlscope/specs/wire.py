@@ -13,6 +13,7 @@ WIRE_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,  # reduce-scatter + all-gather of the payload
     "reduce_scatter": lambda n: (n - 1) / n,  # payload = the full input
     "all_gather": lambda n: n - 1,  # payload = this rank's shard; it receives n-1 of them
+    "all_to_all": lambda n: 1.0,  # payload = what this rank sends to the others (uneven splits allowed)
     "broadcast": lambda n: 1.0,
     "p2p": lambda n: 1.0,
 }
