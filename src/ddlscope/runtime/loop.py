@@ -64,6 +64,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     model = strategy.wrap(task.model.to(device))
     optimizer = make_optimizer(model, spec)
     strategy.attach(model, optimizer, task.loss_fn)
+    strategy.use_task(task)
     if heartbeat is not None:
         strategy.comm.on_launch = heartbeat.comm
     straggler = _Straggler(exp, ctx.rank)
@@ -109,7 +110,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         timer.start(clock())
         with timer.phase("data"):
             x, y = (t.to(device, non_blocking=True)
-                    for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
+                    for t in task.train.get(strategy.batch_ids(step, sampler.rank_batch(step, data_rank, per_rank))))
         with meter.measure() if measuring else nullcontext():
             loss_value = strategy.train_step((x, y), timer)
         if measuring:
@@ -147,6 +148,8 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     train_s = clock() - start - eval_s - paused_s
     tracer.finish()
     strategy.finish(model)
+    for event, message in strategy.final_events():
+        writer.event(event, message)
     evaluator.evaluate_snapshots()
     memory.update(peak_process_bytes(device))
     writer.write("memory", bytes=memory)
