@@ -147,6 +147,7 @@ def test_mm_psgd_averages_the_models_that_ended_each_block(one_rank_group):
         strategy.after_round(r, [torch.full((size,), float(r))])
     averages = strategy.block_averages()
     assert averages[0].tolist() == [3.0] * size and averages[1].tolist() == [5.0] * size
+    assert [m.tolist() for m in strategy.last_in_block()] == [[5.0] * size, [7.0] * size]
 
 
 # ---------------------------------------------------------------------------- trained by the real loop
@@ -275,7 +276,7 @@ def test_rounds_record_their_samples_bytes_and_per_block_evaluations(trained):
     events = [r for r in records["mc"] if r["kind"] == "event"]
     evals = [json.loads(e["message"]) for e in events if e["event"] == "block_eval"]
     assert {(e["predictor"], e["block"]) for e in evals} == {
-        (p, b) for p in ("global", "mm", "chain", "per-block") for b in (0, 1)}
+        (p, b) for p in ("global", "last-in-block", "mm", "chain", "per-block") for b in (0, 1)}
     assert sum(e["samples"] for e in evals if e["predictor"] == "global") == 360
     chosen = json.loads(next(e["message"] for e in events if e["event"] == "block_predictors"))["chosen"]
     for block, name in enumerate(chosen):

@@ -170,12 +170,14 @@ class MMPSGD(FedAvg):
         size = sum(p.numel() for p in model.parameters())
         self.block_sums = torch.zeros(self.spec.blocks, size)
         self.block_counts = [0] * self.spec.blocks
+        self.block_last = torch.zeros(self.spec.blocks, size)  # the global model that ended each block last
 
     def after_round(self, round_: int, averaged: list[torch.Tensor]) -> None:
         if self.spec.ends_block(round_):
             block = self.spec.block_of_round(round_)
             self.block_sums[block] += averaged[0]
             self.block_counts[block] += 1
+            self.block_last[block] = averaged[0]
 
     def block_averages(self) -> list[torch.Tensor]:
         """MM-PSGD's predictor per block (the global model for a block that never ended yet)."""
@@ -184,16 +186,23 @@ class MMPSGD(FedAvg):
         return [self.block_sums[b] / n if n else now for b, n in enumerate(self.block_counts)]
 
     def predictors(self) -> dict[str, list[torch.Tensor]]:
-        return {**super().predictors(), "per-block": self.block_averages()}
+        return {**super().predictors(), "last-in-block": self.last_in_block(), "per-block": self.block_averages()}
+
+    def last_in_block(self) -> list[torch.Tensor]:
+        """The global model as it left each block last (what FedAvg served at the end of that block)."""
+        assert self.model is not None
+        now = flat_parameters(self.model)
+        return [self.block_last[b] if n else now for b, n in enumerate(self.block_counts)]
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {**super().checkpoint_state(), "block_sums": self.block_sums.clone(),
-                "block_counts": list(self.block_counts)}
+                "block_counts": list(self.block_counts), "block_last": self.block_last.clone()}
 
     def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().restore_checkpoint_state(state)
         self.block_sums = state["block_sums"].clone()
         self.block_counts = [int(n) for n in state["block_counts"]]
+        self.block_last = state["block_last"].clone()
 
 
 @RUNTIMES.register(MCPSGDSpec)
@@ -244,7 +253,8 @@ class MCPSGD(MMPSGD):
     def predictors(self) -> dict[str, list[torch.Tensor]]:
         candidates = self.candidates()
         chosen = [candidates[name][b] for b, name in enumerate(self.chosen)] if self.chosen else candidates["mm"]
-        return {"global": FedAvg.predictors(self)["global"], **candidates, "per-block": chosen}
+        return {"global": FedAvg.predictors(self)["global"], "last-in-block": self.last_in_block(), **candidates,
+                "per-block": chosen}
 
     def final_events(self) -> list[tuple[str, str]]:
         events = super().final_events()
