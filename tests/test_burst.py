@@ -75,6 +75,16 @@ def test_unit_costs_add_up_to_the_whole_network_and_degree_one_has_no_all_reduce
     assert not diagonal.any() and not costs.switch_s[0].any()
     np.testing.assert_allclose(costs.switch_s, costs.switch_s.transpose(0, 2, 1))  # a gather costs a scatter
     assert degrees_for(12, 8).tolist() == [1, 2, 4]
+    # Into unit 3 from 8 GPUs to 4: each of the 4 receives the half of its 16 samples it does not hold, the
+    # previous unit's output, forward and (its gradient) backward.
+    from ddlscope.predict import collectives as coll
+
+    out_bytes = cnn.unit_output_elements(spec)[2] * spec.activation_bytes
+    expected = 2 * coll.p2p_s(64 / 4 * 0.5 * out_bytes, False, cluster.node)
+    assert costs.switch_s[3, 3, 2] == pytest.approx(float(expected), rel=1e-12)
+    sync = coll.all_reduce_s(cnn.unit_params(spec)[3] * 4.0, 8, 8, cluster.node)
+    assert costs.unit_s[3, 3] == pytest.approx(float(sum(cnn.unit_times_s(spec, [8], cluster.device))[3, 0] + sync),
+                                               rel=1e-12)
 
 
 def test_burst_plans_against_uniform_data_parallelism():
