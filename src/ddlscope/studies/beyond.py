@@ -112,6 +112,13 @@ class FederatedSection:
             report.decisions.append(
                 f"FedAvg's one model is biased toward the block it trained last: block {worst[0]} gets "
                 f"{worst[1]:.1%}; keep one predictor per block when client data cycle (MM-PSGD costs no training).")
+        mm = _find(rows, "federated/mm-psgd/block-cyclic")
+        if mm and {"last-in-block", "per-block"} <= set(mm["per_block"]):
+            last, average = (statistics.fmean(mm["per_block"][p].values()) for p in ("last-in-block", "per-block"))
+            if last > average:
+                report.decisions.append(
+                    f"With few cycles, MM-PSGD's average over cycles keeps the early, weak models: the model that "
+                    f"last left each block scored {last:.1%} on average against the average's {average:.1%}.")
         report.notes.append(
             f"{FEDERATED_WORLD} clients (one rank each), {FEDERATED_WORKLOAD['name']}, {FEDERATED_WORKLOAD['steps']} "
             f"rounds of one local epoch (minibatch {FEDERATED_WORKLOAD['batch_size']}); block-cyclic: "
