@@ -39,9 +39,11 @@ TIE_TOLERANCE = 0.03
 
 def candidates(exp: Experiment) -> list[StrategySpec]:
     """Every registered multi-process strategy that can train the experiment's workload, simplest first:
-    the experiment's own with its knobs, the others with their defaults."""
+    the experiment's own with its knobs, the others with their defaults. Federated strategies are not
+    offered for another's place: they answer where the data must stay, not how to train fastest."""
     mine = type(exp.strategy)
-    specs = [exp.strategy if cls is mine else cls() for cls in strategy_specs() if not cls.traits.single_process]
+    specs = [exp.strategy if cls is mine else cls() for cls in strategy_specs()
+             if not cls.traits.single_process and (cls is mine or cls.traits.family != "federated")]
     return [spec for spec in specs if spec is exp.strategy or _can_train(spec, exp)]
 
 

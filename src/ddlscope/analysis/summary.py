@@ -15,6 +15,7 @@ strategy recomputes activations).
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -65,6 +66,9 @@ class Summary:
     # Each rank's mean phase times (and compute_cpu_s) over the steady steps (a pipeline's stages differ:
     # compute vs idle).
     breakdown_mean_s_by_rank: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Evaluations of named predictors on parts of the test set, from `block_eval` events (federated
+    # per-block predictors): predictor, block, accuracy, loss, samples.
+    block_evals: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def timing_basis(self) -> str:
@@ -216,6 +220,7 @@ def summarize(store: Store, run: Run, steps: StepAggregates | None = None) -> Su
     )
     _add_utilization(summary, store, run)
     _add_recovery(summary, store, run)
+    summary.block_evals = [json.loads(e["message"]) for e in store.events(run.id) if e["kind"] == "block_eval"]
     return summary
 
 

@@ -241,6 +241,15 @@ def plan_command(
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
     sustained_fraction: SustainedOpt = None,
+    burst: Annotated[bool, typer.Option("--burst", help="CNN: a data-parallel degree per unit (burst parallelism, "
+                                        "DeepPool): its predicted gain over uniform data parallelism and the "
+                                        "cluster throughput when the freed GPUs run a background job.")] = False,
+    background_efficiency: Annotated[float, typer.Option(
+        "--background-efficiency", help="With --burst: the share of a freed GPU-second the background job "
+                                        "uses (1: all of it).")] = 1.0,
+    max_slowdown: Annotated[float, typer.Option(
+        "--max-slowdown", help="With --burst: the most the job may slow down (x uniform's step) to free GPUs "
+                               "for the background job.")] = 1.0,
     as_json: JsonOption = False,
     calibration: PlanCalibrationOpt = None,
     db: PlanDbOpt = DEFAULT_DB,
@@ -263,6 +272,9 @@ def plan_command(
                                                              "--cluster (or cluster in the config file)"),
                                                    calibration, db), sustained_fraction, raw)
     use_spot = bool(spot if spot is not None else raw.get("spot", False))
+    if burst:
+        _plan_burst(model_raw, the_cluster, background_efficiency, max_slowdown, as_json)
+        return
     if _is_cnn(model_raw):
         from ddlscope.predict.cnn_predict import plan_cnn
 
@@ -278,6 +290,36 @@ def plan_command(
             "top": [{"rank": r.rank, "why": r.why, **r.prediction.to_dict()} for r in result.rows]}))
         return
     _print_plan(result)
+
+
+def _plan_burst(model_raw: dict[str, Any], cluster: Any, background_efficiency: float, max_slowdown: float,
+                as_json: bool) -> None:
+    """`plan --burst`: uniform data parallelism against the burst plans (predict/burst.py)."""
+    from ddlscope.predict.burst import burst, degree_runs
+
+    if not _is_cnn(model_raw):
+        raise ConfigError(f"--burst: prices a data-parallel degree per unit of a CNN ({', '.join(CNN_MODELS)}); "
+                          "give --model with one of them")
+    result = burst(_cnn_spec(model_raw), cluster, background_efficiency, max_slowdown)
+    if as_json:
+        print(json.dumps(result.to_dict()))
+        return
+    console.print(f"[bold]{escape(result.cluster)}[/bold]: {escape(result.model)}, global batch "
+                  f"{result.global_batch}, {result.units} units; burst parallelism (a data-parallel degree per unit)")
+    table = Table("plan", "step ms", "vs uniform", "GPUs freed", "cluster throughput")
+    for p in (result.uniform, result.fastest, result.best_cluster):
+        table.add_row(escape(p.label), f"{p.step_s * 1e3:.3f}", f"{p.speedup_vs_uniform:.3f}x",
+                      f"{p.freed_fraction:.1%}", f"{p.cluster_throughput:.3f}")
+    console.print(table)
+    console.print(f"fastest burst plan: {degree_runs(result.fastest.degrees)}", markup=False, highlight=False)
+    console.print(f"highest cluster throughput: {degree_runs(result.best_cluster.degrees)} (background job at "
+                  f"{result.background_efficiency:.0%} of a freed GPU-second, job at most {result.max_slowdown:g}x "
+                  "slower)", markup=False, highlight=False)
+    if result.ddp_step_s is not None:
+        console.print(f"for scale: DDP with its all-reduce overlapped, {result.ddp_step_s * 1e3:.3f} ms a step",
+                      markup=False, highlight=False)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
 
 
 # ---------------------------------------------------------------------------- input

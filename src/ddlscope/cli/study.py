@@ -140,6 +140,9 @@ def print_outcome(out: Console, kind: str, outcome: StudyOutcome) -> None:
             headlines.add_row(*(escape(str(h.get(k, ""))) for k in ("headline", "paper", "measured", "predicted",
                                                                    "verdict")))
         out.print(headlines)
+    for title, lines in findings.extra.get("tables", {}).items():  # a study's own tables (e.g. beyond's sections)
+        out.print(f"[bold]{escape(title)}[/bold]")
+        out.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
     for decision in findings.decisions:
         out.print(f"- {decision}", markup=False, highlight=False)
     for note in findings.notes:

@@ -441,3 +441,42 @@ def layer_times_s(spec: CNNSpec, micro_batch, device: Device) -> tuple[np.ndarra
     backward = (backward + compute.memory_bound_s(compute.BACKWARD_TRAFFIC_RATIO * b * elementwise, device)
                 + KERNELS_BACKWARD_PER_LAYER * n_layers * gap)
     return forward, backward
+
+
+def unit_times_s(spec: CNNSpec, micro_batch, device: Device) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of each unit (`Layer.unit`) for micro-batches `micro_batch` (an array):
+    arrays of shape (units, len(micro_batch)), priced as `layer_times_s` prices the whole network (their
+    sums over units are its totals)."""
+    b = np.atleast_1d(np.asarray(micro_batch, dtype=float))
+    peak = device.peak_flops.get(spec.compute_dtype) or device.peak(spec.dtype)
+    bpe = spec.activation_bytes
+    gap = device.efficiency.kernel_overhead_s
+    layers = layers_of(spec)
+    units = sorted({layer.unit for layer in layers})
+    row = {unit: i for i, unit in enumerate(units)}
+    forward, backward = np.zeros((len(units), len(b))), np.zeros((len(units), len(b)))
+    for layer in layers:
+        i = row[layer.unit]
+        if layer.kind in ("conv", "linear"):
+            f, bw = _conv_times_s(layer, b, device, peak, bpe)
+        else:
+            moved = layer.forward_elements_moved() * bpe
+            f = compute.memory_bound_s(b * moved, device)
+            bw = compute.memory_bound_s(compute.BACKWARD_TRAFFIC_RATIO * b * moved, device)
+        forward[i] += f + KERNELS_FORWARD_PER_LAYER * gap
+        backward[i] += bw + KERNELS_BACKWARD_PER_LAYER * gap
+    return forward, backward
+
+
+def unit_params(spec: CNNSpec) -> np.ndarray:
+    """Parameters of each unit, in `unit_times_s`'s order."""
+    layers = layers_of(spec)
+    units = sorted({layer.unit for layer in layers})
+    return np.array([sum(layer.params for layer in layers if layer.unit == u) for u in units], dtype=float)
+
+
+def unit_output_elements(spec: CNNSpec) -> np.ndarray:
+    """Elements per sample of each unit's output (its last layer's): what crosses to the next unit."""
+    layers = layers_of(spec)
+    units = sorted({layer.unit for layer in layers})
+    return np.array([[layer for layer in layers if layer.unit == u][-1].out_elements for u in units], dtype=float)

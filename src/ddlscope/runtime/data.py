@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -58,16 +58,22 @@ class GlobalBatchSampler:
         return self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
 
 
-def step_batches(task: Task, exp: Experiment, rank: int, ranks: int, per_rank: int,
-                 first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def step_batches(task: Task, exp: Experiment, rank: int, ranks: int, per_rank: int, first_step: int,
+                 choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (inputs, targets) for steps first_step, first_step + 1, ...: from the in-memory split
     (the global batch's slice, GlobalBatchSampler) or, with workload.data = parquet, from the rank's
     Parquet shards through the loader workers (runtime/parquet_data.py). Both are functions of the step,
-    so a run resumed at any step reads what the uninterrupted run read."""
+    so a run resumed at any step reads what the uninterrupted run read. `choose(step, ids)` lets a
+    strategy pick its own samples of the in-memory split (a federated client reads its partition)."""
     spec = exp.workload
     if spec.data == "memory":
         sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
-        return (task.train.get(sampler.rank_batch(step, rank, per_rank)) for step in itertools.count(first_step))
+        pick = choose or (lambda _step, ids: ids)
+        return (task.train.get(pick(step, sampler.rank_batch(step, rank, per_rank)))
+                for step in itertools.count(first_step))
+    if choose is not None:
+        raise ValueError(f"strategy {exp.strategy.name!r} picks its own samples; it reads workload.data = memory only")
     from ddlscope.runtime.parquet_data import PipelineLoader, RankOrder, write_shards
     from ddlscope.workloads.vision import _cache_dir  # the package's data cache (DDLSCOPE_CACHE_DIR)
 

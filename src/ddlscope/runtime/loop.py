@@ -64,13 +64,15 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     model = strategy.wrap(task.model.to(device))
     optimizer = make_optimizer(model, spec)
     strategy.attach(model, optimizer, task.loss_fn)
+    strategy.use_task(task)
     if heartbeat is not None:
         strategy.comm.on_launch = heartbeat.comm
     straggler = _Straggler(exp, ctx.rank)
     first_step = _restore(checkpointer, model, optimizer, strategy, straggler, writer)
     per_rank = exp.per_rank_batch()
     splits = exp.strategy.traits.splits_global_batch
-    batches = step_batches(task, exp, ctx.rank if splits else 0, ctx.workers if splits else 1, per_rank, first_step)
+    batches = step_batches(task, exp, ctx.rank if splits else 0, ctx.workers if splits else 1, per_rank, first_step,
+                           choose=strategy.batch_ids if strategy.picks_samples() else None)
     memory_step = min(first_step + 1, spec.steps - 1)  # the first step pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}
@@ -146,6 +148,8 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     train_s = clock() - start - eval_s - paused_s
     tracer.finish()
     strategy.finish(model)
+    for event, message in strategy.final_events():
+        writer.event(event, message)
     evaluator.evaluate_snapshots()
     memory.update(peak_process_bytes(device))
     writer.write("memory", bytes=memory)

@@ -93,3 +93,14 @@ class Landed:
 
     def wait(self) -> torch.Tensor:
         return self.tensor
+
+
+def weighted_sum(flat: torch.Tensor, weight: float, comm: CommRecorder, group: Any) -> torch.Tensor:
+    """Sum over the group of each rank's `weight` x `flat`, by one accounted all-reduce: the weighted mean
+    when the weights sum to 1 over the group (federated averaging's n_k / n, known to every rank). A
+    weight of 1 (one client) or 1/2 (two equal ones) keeps the values exact."""
+    buffer = flat * weight
+    pending = comm.launched(buffer.numel() * buffer.element_size(), "all_reduce")
+    dist.all_reduce(buffer, group=group)
+    comm.completed(pending)
+    return buffer

@@ -21,6 +21,7 @@ from torch import nn
 
 from ddlscope.specs import Experiment, StrategySpec
 from ddlscope.strategies.comm import CommRecorder, CommStats, LinkModel
+from ddlscope.workloads.base import Task
 
 
 @dataclass
@@ -72,6 +73,23 @@ class Strategy(ABC):
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> None:
         """What `train_step` trains: the wrapped model, its optimizer and the workload's loss."""
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+
+    def use_task(self, task: Task) -> None:
+        """The built workload, handed over after `attach`: for a strategy that picks its own samples (a
+        federated client reads its own partition) or evaluates more than the model (per-block predictors)."""
+
+    def batch_ids(self, step: int, ids: torch.Tensor) -> torch.Tensor:
+        """The training sample ids this rank reads at `step`: the runtime's share of the global batch
+        (`ids`), unless the strategy owns its data (a federated client's whole round)."""
+        return ids
+
+    def picks_samples(self) -> bool:
+        """Whether this strategy overrides `batch_ids` (then it reads the in-memory split only)."""
+        return type(self).batch_ids is not Strategy.batch_ids
+
+    def final_events(self) -> list[tuple[str, str]]:
+        """(event, message) pairs the runtime records after `finish` (e.g. per-block evaluations)."""
+        return []
 
     def train_step(self, batch: Batch, timer: StepTimer) -> float:
         """One optimizer step on this rank's batch; returns its loss.

@@ -6,6 +6,6 @@ from ddlscope.studies.base import Cell, CellResult, Findings, Study
 STUDIES: Registry[type[Study]] = Registry("study")
 
 # Importing a module registers its studies.
-from ddlscope.studies import dataparallel, modelparallel, paper  # noqa: E402,F401
+from ddlscope.studies import beyond, dataparallel, modelparallel, paper  # noqa: E402,F401
 
 __all__ = ["STUDIES", "Cell", "CellResult", "Findings", "Study"]

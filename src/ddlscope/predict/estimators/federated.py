@@ -1,0 +1,73 @@
+"""Federated rounds (fedavg, mm-psgd, mc-psgd): local steps, then one weighted model all-reduce per round.
+
+Cluster scale, per local step (advise's unit): local SGD whose period is the
+round's local steps (`local_steps`, else NOMINAL_LOCAL_STEPS: a client's data
+size is not known at cluster scale), each sampled client training
+`models_trained_per_round` models (mc-psgd: two, and two models in the
+average), and only `client_fraction` of the workers computing. The slowest
+sampled client sets the round (straggler_bound).
+
+This machine, per run step (a round): one all-reduce of the trained models,
+the flat copies around it and one synchronisation wait. A round's compute is
+its local minibatches, which the local compute model prices as one step of
+`workload.batch_size`: predict-run's compute is a round's first minibatch
+only (said in the notes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ddlscope.calibrate.model import message_s
+from ddlscope.predict import strategies as pst
+from ddlscope.predict.estimators import ESTIMATORS
+from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
+from ddlscope.predict.estimators.localsgd import extra_copies_bytes, local_sync_wait_s, straggler_bound
+from ddlscope.specs.strategies.federated import FedAvgSpec
+
+NOMINAL_LOCAL_STEPS = 10  # local minibatches per round when the spec gives epochs (data size unknown here)
+
+
+def local_steps_per_round(spec: FedAvgSpec) -> int:
+    return spec.local_steps or NOMINAL_LOCAL_STEPS
+
+
+def kept_copies(spec: FedAvgSpec) -> float:
+    """Flat model copies beside the model states: the averaged buffer per trained model, and the per-block
+    predictors (mm-psgd's sums, mc-psgd's sums and chains)."""
+    per_block = spec.blocks * (spec.models_trained_per_round()) if spec.per_block() else 0
+    return spec.models_trained_per_round() + per_block
+
+
+@ESTIMATORS.register(FedAvgSpec)
+class FederatedEstimator(Estimator):
+    def cluster(self, spec: FedAvgSpec, case: ClusterCase) -> pst.StrategyEstimate:
+        models = spec.models_trained_per_round()
+        steps = local_steps_per_round(spec)
+        est = pst.local_sgd(case.workload, case.cluster, period=steps)
+        n = case.cluster.n_gpus
+        sampled = max(1, round(spec.client_fraction * n)) / n
+        scale = sampled / models  # fewer clients compute; each trains `models` models on the same samples
+        est = replace(est, strategy=spec.name, step_s=est.step_s * models, compute_s=est.compute_s * models,
+                      comm_s=est.comm_s * models, exposed_comm_s=est.exposed_comm_s * models,
+                      samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
+                      scaling_efficiency=est.scaling_efficiency * scale, notes=est.notes + [
+                          f"{spec.name}: a round of {steps} local steps"
+                          + ("" if spec.local_steps else " (nominal: local_epochs over data of unknown size)")
+                          + f", {sampled:.0%} of the clients sampled, {models} model(s) trained per round"])
+        return straggler_bound(est, case)
+
+    def cluster_memory(self, spec: FedAvgSpec, case: ClusterCase) -> tuple[float, float | None]:
+        return (case.replicated_state_bytes + case.activation_bytes
+                + extra_copies_bytes(case, kept_copies(spec))), None
+
+    def local_comm(self, spec: FedAvgSpec, case: LocalCase, step: LocalStep) -> LocalComm:
+        models = spec.models_trained_per_round()
+        payload = models * case.param_bytes
+        all_reduce_s = message_s(case.profile, "all_reduce", payload, case.world, case.link)
+        copies_s = 2 * payload / case.memory_bandwidth_bytes_per_s * step.stretch
+        comm = LocalComm(all_reduce_s + copies_s + local_sync_wait_s(case), holds_sync_wait=True)
+        comm.notes.append(f"{spec.name}: one weighted all-reduce of {models} model(s) per round "
+                          f"({all_reduce_s * 1e3:.2f} ms); a round's compute is all its local minibatches, "
+                          "which this estimate prices as one")
+        return comm
