@@ -27,7 +27,7 @@ from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.averaging import (
     InFlightAverage, ReplicatedModel, flat_parameters, load_flat_parameters, parameter_bytes)
 from ddlscope.strategies.base import Batch, StepTimer
-from ddlscope.strategies.ddp import Hook, bucket_bytes, timed_hook
+from ddlscope.strategies.compression import Hook, bucket_bytes, timed_hook
 
 
 class ModelAveraging(ReplicatedModel):

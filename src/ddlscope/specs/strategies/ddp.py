@@ -22,10 +22,22 @@ class DDPSpec(StrategySpec):
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB (DDP's bucket_cap_mb)")
     gradient_as_bucket_view: bool = Field(False, description="gradients are views into the all-reduce buckets")
     static_graph: bool = Field(False, description="tell DDP the graph does not change between steps")
-    comm_hook: Literal["none", "fp16", "powersgd"] = Field(
-        "none", description="none (plain all-reduce), fp16 (compress to fp16), powersgd (low-rank); powersgd(R) sets the rank")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8"] = Field(
+        "none", description="none (plain all-reduce), fp16 / bf16 (cast to 16 bits), powersgd (low-rank; powersgd(R) "
+                            "sets the rank), topk (largest k with error feedback), qsgd (s levels), minmax8 (8-bit "
+                            "min-max, ByteGrad); see strategies/compression.py")
     powersgd_rank: int = Field(1, ge=1, description="PowerSGD matrix approximation rank")
     powersgd_start_iter: int = Field(2, ge=2, description="plain all-reduce before this iteration (torch needs >= 2)")
+
+    # --- gradient compression knobs of our own hooks (strategies/compression.py)
+    topk_ratio: float = Field(0.01, gt=0, le=1, description="topk: fraction of each bucket's elements sent")
+    qsgd_levels: int = Field(4, ge=1, le=127, description="qsgd: s, quantisation levels per sign (codes packed in "
+                                                           "2, 4 or 8 bits: 1, <= 7, <= 127)")
+
+    # --- bucketing (MG-WFBP, predict/bucketing.py)
+    buckets: Literal["size", "per_layer", "mgwfbp"] = Field(
+        "size", description="size (DDP's bucket_mb buckets), per_layer (one bucket per layer), mgwfbp (the optimal "
+                            "merge of layers from measured backward times and the all-reduce's alpha-beta)")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,282 @@
+"""Gradient compression for DDP's comm hooks, one module for every strategy that all-reduces gradients.
+
+Which hook does what, and why ours where torch has one:
+
+- fp16: torch's `fp16_compress_hook` (works on gloo).
+- bf16: torch's `bf16_compress_hook` is refused on gloo at registration
+  ("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+"),
+  although gloo all-reduces bfloat16 tensors fine. So ours is the same
+  cast-and-all-reduce: cast the bucket to bf16, divide by the world, all-reduce,
+  cast back.
+- powersgd: torch's `powerSGD_hook` (rank and warm-up knobs; `batched_powerSGD_hook`
+  fails on this torch, see PLATFORM.md).
+- topk (Aji & Heafield 2017; error feedback as in Stich et al. 2018): each
+  rank sends the k largest-magnitude entries of gradient + residual, as fp32
+  values and int32 indices; what it did not send is kept as the residual and
+  added to the next step's gradient. Sparse sums do not add up in place, so
+  the (value, index) pairs are all-gathered and scattered into a dense sum.
+- qsgd (Alistarh et al. 2017): each entry becomes norm * sign * l / s with
+  l in 0..s drawn by unbiased stochastic rounding; the codes (2s + 1 values)
+  are packed 2, 4 or 8 bits each, plus the bucket's fp32 norm; all-gathered.
+- minmax8 (Bagua's ByteGrad): 8-bit min-max quantisation of each bucket,
+  round to nearest, plus its fp32 min and max; all-gathered.
+
+Quantised codes from different ranks cannot be summed without decoding, so
+our own lossy hooks all-gather (each rank's payload: `payload_bytes`) and each
+rank decodes and averages. Every hook reports its payload to the CommRecorder
+through `timed_hook`, so bytes per step and the emulated network see what is
+really sent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from ddlscope.strategies.comm import CommRecorder
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[Tensor]]
+PayloadBytes = Callable[[Any, dist.GradBucket], int]
+
+FP32_BYTES = 4
+
+
+# --------------------------------------------------------------------------- codecs (pure tensor code)
+class Codec:
+    """Encode a flat fp32 gradient into a flat uint8 message of a size every rank agrees on, and back."""
+
+    def message_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, grad: Tensor, key: int) -> Tensor:
+        raise NotImplementedError
+
+    def decode(self, message: Tensor, numel: int) -> Tensor:
+        raise NotImplementedError
+
+
+def _fp32_bytes(values: Tensor) -> Tensor:
+    return values.to(torch.float32).contiguous().view(torch.uint8)
+
+
+def _fp32_from(raw: Tensor) -> Tensor:
+    return raw.contiguous().view(torch.float32)
+
+
+@dataclass
+class TopK(Codec):
+    """k = ceil(ratio * numel) largest |gradient + residual| entries; the rest stays in the residual."""
+
+    ratio: float
+    residuals: dict[int, Tensor] = field(default_factory=dict)
+
+    def k(self, numel: int) -> int:
+        return max(1, math.ceil(self.ratio * numel))
+
+    def message_bytes(self, numel: int) -> int:
+        return self.k(numel) * 2 * FP32_BYTES  # fp32 value + int32 index
+
+    def encode(self, grad: Tensor, key: int) -> Tensor:
+        residual = self.residuals.get(key)
+        if residual is None or residual.numel() != grad.numel():  # DDP rebuilds its buckets after step 1
+            residual = torch.zeros_like(grad, dtype=torch.float32)
+        corrected = residual + grad
+        indices = corrected.abs().topk(self.k(grad.numel()), sorted=False).indices
+        values = corrected[indices]
+        corrected[indices] = 0.0  # error feedback: what was not sent is sent later
+        self.residuals[key] = corrected
+        return torch.cat([_fp32_bytes(values), indices.to(torch.int32).view(torch.uint8)])
+
+    def decode(self, message: Tensor, numel: int) -> Tensor:
+        k = self.k(numel)
+        values = _fp32_from(message[: k * FP32_BYTES])
+        indices = message[k * FP32_BYTES:].contiguous().view(torch.int32).long()
+        return torch.zeros(numel, dtype=torch.float32).index_add_(0, indices, values)
+
+
+def packed_bits(levels: int) -> int:
+    """Bits per QSGD code: 2 s + 1 values (sign and level) in 2, 4 or 8 bits."""
+    values = 2 * levels + 1
+    return 2 if values <= 4 else 4 if values <= 16 else 8
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Unsigned codes below 2**bits, `8 // bits` to a byte (zero-padded at the end)."""
+    per_byte = 8 // bits
+    padded = torch.zeros(math.ceil(codes.numel() / per_byte) * per_byte, dtype=torch.int32)
+    padded[: codes.numel()] = codes
+    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    return (padded.view(-1, per_byte) << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).flatten()[:numel]
+
+
+@dataclass
+class QSGD(Codec):
+    """Unbiased stochastic quantisation to s levels of |g| / ||g||, with the sign; codes bit-packed."""
+
+    levels: int
+    seed: int = 0
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def message_bytes(self, numel: int) -> int:
+        bits = packed_bits(self.levels)
+        return FP32_BYTES + math.ceil(numel * bits / 8)
+
+    def encode(self, grad: Tensor, key: int) -> Tensor:
+        grad = grad.to(torch.float32)
+        norm = grad.norm()
+        scaled = grad.abs() / norm * self.levels if norm > 0 else torch.zeros_like(grad)
+        lower = scaled.floor()
+        # round up with probability (scaled - lower): E[level] = scaled, so the decoded gradient is unbiased
+        level = lower + (torch.rand(grad.shape, generator=self.generator) < scaled - lower).float()
+        codes = (torch.sign(grad) * level).to(torch.int32) + self.levels
+        return torch.cat([_fp32_bytes(norm.reshape(1)), pack_codes(codes, packed_bits(self.levels))])
+
+    def decode(self, message: Tensor, numel: int) -> Tensor:
+        norm = _fp32_from(message[:FP32_BYTES])
+        codes = unpack_codes(message[FP32_BYTES:], packed_bits(self.levels), numel)
+        return (codes - self.levels).to(torch.float32) * (norm / self.levels)
+
+
+@dataclass
+class MinMax8(Codec):
+    """ByteGrad: 256 levels between the bucket's min and max, round to nearest."""
+
+    def message_bytes(self, numel: int) -> int:
+        return 2 * FP32_BYTES + numel
+
+    def encode(self, grad: Tensor, key: int) -> Tensor:
+        grad = grad.to(torch.float32)
+        low, high = grad.min(), grad.max()
+        scale = (high - low) / 255 if high > low else torch.ones(())
+        codes = ((grad - low) / scale).round().clamp_(0, 255).to(torch.uint8)
+        return torch.cat([_fp32_bytes(torch.stack([low, scale])), codes])
+
+    def decode(self, message: Tensor, numel: int) -> Tensor:
+        low, scale = _fp32_from(message[: 2 * FP32_BYTES]).unbind()
+        return message[2 * FP32_BYTES:].to(torch.float32) * scale + low
+
+
+def gathered_average(codec: Codec, messages: Tensor, ranks: int, numel: int) -> Tensor:
+    """Decode every rank's message (all-gathered end to end) and average them."""
+    return sum(codec.decode(m, numel) for m in messages.view(ranks, -1)) / ranks  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------- hooks
+def codec_hook(codec: Codec, group: Any = None) -> Hook:
+    """A DDP comm hook: encode the bucket, all-gather the messages, decode and average into the bucket."""
+
+    def hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotated hooks (see ddp.py)
+        buffer = bucket.buffer()
+        ranks = dist.get_world_size(group)
+        message = codec.encode(buffer, bucket.index())
+        gathered = torch.empty(ranks * message.numel(), dtype=torch.uint8)
+        future = dist.all_gather_into_tensor(gathered, message, group=group, async_op=True).get_future()
+
+        def decode(_fut):  # type: ignore[no-untyped-def]
+            buffer.copy_(gathered_average(codec, gathered, ranks, buffer.numel()))
+            return buffer
+
+        return future.then(decode)
+
+    return hook
+
+
+def cast_hook(dtype: torch.dtype, group: Any = None) -> Hook:
+    """Cast to `dtype`, divide by the world, all-reduce, cast back: torch's fp16 hook for any dtype gloo sums."""
+
+    def hook(_state, bucket):  # type: ignore[no-untyped-def]
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(_fut):  # type: ignore[no-untyped-def]
+            buffer.copy_(compressed)
+            return buffer
+
+        return future.then(decompress)
+
+    return hook
+
+
+def bucket_bytes(_state: Any, bucket: dist.GradBucket) -> int:
+    """What a plain all-reduce of the bucket sends."""
+    return bucket.buffer().numel() * bucket.buffer().element_size()
+
+
+@dataclass(frozen=True)
+class CompressionHook:
+    """A comm hook with its state, what each call sends, and the collective that sends it."""
+
+    state: Any
+    hook: Hook
+    payload_bytes: PayloadBytes
+    kind: str = "all_reduce"
+
+
+def compression_hook(name: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 2, topk_ratio: float = 0.01,
+                     qsgd_levels: int = 4, seed: int = 0, group: Any = None) -> CompressionHook:
+    """The hook a spec's `comm_hook` names (ddp's knobs); `seed` differs per rank (QSGD's rounding)."""
+    if name == "fp16":
+        return CompressionHook(group, default_hooks.fp16_compress_hook, lambda _s, b: b.buffer().numel() * 2)
+    if name == "bf16":
+        return CompressionHook(None, cast_hook(torch.bfloat16, group), lambda _s, b: b.buffer().numel() * 2)
+    if name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=powersgd_start_iter)
+        return CompressionHook(state, powerSGD_hook.powerSGD_hook, powersgd_payload_bytes)
+    codecs: dict[str, Callable[[], Codec]] = {
+        "topk": lambda: TopK(topk_ratio), "qsgd": lambda: QSGD(qsgd_levels, seed), "minmax8": MinMax8}
+    if name in codecs:
+        codec = codecs[name]()
+        return CompressionHook(None, codec_hook(codec, group), lambda _s, b: codec.message_bytes(b.buffer().numel()),
+                               "all_gather")
+    return CompressionHook(group, default_hooks.allreduce_hook, bucket_bytes)
+
+
+def timed_hook(hook: Hook, payload_bytes: PayloadBytes, recorder: CommRecorder, kind: str = "all_reduce") -> Hook:
+    """`hook`, reporting each bucket's payload and completion to the recorder (bytes, overlap, emulation)."""
+
+    # No annotations on the hook's parameters: DDP rejects a `bucket` annotation
+    # that is not the GradBucket class itself, and postponed annotations are strings.
+    def hook_with_timing(state, bucket):  # type: ignore[no-untyped-def]
+        pending = recorder.launched(payload_bytes(state, bucket), kind)
+        return recorder.complete_future(hook(state, bucket), pending)
+
+    return hook_with_timing
+
+
+def powersgd_payload_bytes(state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> int:
+    """Bytes PowerSGD all-reduces for this bucket, mirroring torch's own choice.
+
+    Before start_powerSGD_iter the hook runs a plain all-reduce. After it,
+    matrices worth compressing send their P and Q factors ((rows + cols) x
+    rank), everything else (biases, small matrices) goes uncompressed.
+    """
+    element_bytes = bucket.buffer().element_size()
+    if state.iter < state.start_powerSGD_iter:
+        return bucket.buffer().numel() * element_bytes
+    total = 0
+    for grad in bucket.gradients():
+        if grad.ndim > 1:
+            rows, cols = grad.shape[0], grad.numel() // grad.shape[0]
+            worth, full, compressed = powerSGD_hook._should_compress(
+                rows, cols, state.matrix_approximation_rank, state.min_compression_rate)
+            total += compressed if worth else full
+        else:
+            total += grad.numel()
+    return total * element_bytes

@@ -1,0 +1,73 @@
+"""MG-WFBP's bucket planner (specs/bucketing.py): optimal against a brute force over every split,
+the timeline's exact values, and the baselines it is compared with."""
+
+import itertools
+import random
+
+import pytest
+
+from ddlscope.specs.bucketing import AlphaBeta, Layer, optimal_plan, per_layer_plan, simulate, size_plan
+
+
+def _all_splits(n: int):
+    """Every contiguous split of n layers: 2^(n-1) of them."""
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        buckets, start = [], 0
+        for i, cut in enumerate(cuts):
+            if cut:
+                buckets.append((start, i))
+                start = i + 1
+        buckets.append((start, n - 1))
+        yield buckets
+
+
+def _random_case(seed: int):
+    rng = random.Random(seed)
+    layers = [Layer(f"l{i}", rng.uniform(0, 0.02), rng.randrange(0, 4_000_000)) for i in range(rng.randint(1, 9))]
+    link = AlphaBeta(rng.choice([0.0, 1e-4, 5e-3, 3e-2]), rng.choice([1e-10, 1e-9, 1e-8]))
+    return layers, link
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_optimal_plan_matches_brute_force(seed):
+    layers, link = _random_case(seed)
+    best = min(simulate(layers, split, link).finish_s for split in _all_splits(len(layers)))
+    plan = optimal_plan(layers, link)
+    assert plan.finish_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert [b for s, e in plan.buckets for b in range(s, e + 1)] == list(range(len(layers)))  # a split of all
+    assert plan.exposed_s <= per_layer_plan(layers, link).exposed_s + 1e-15
+    assert plan.exposed_s <= size_plan(layers, link, 25 * 2**20).exposed_s + 1e-15
+
+
+def test_timeline_exact_values():
+    """Three layers of 10 ms backward, 1 MB each, alpha 5 ms, 1 ns/byte (1 ms a MB)."""
+    layers = [Layer(n, 0.010, 1_000_000) for n in "abc"]
+    link = AlphaBeta(0.005, 1e-9)
+    per_layer = per_layer_plan(layers, link)  # 10+6=16, max(20,16)+6=26, max(30,26)+6=36
+    assert per_layer.finish_s == pytest.approx(0.036) and per_layer.exposed_s == pytest.approx(0.006)
+    one = simulate(layers, [(0, 2)], link)  # 30 + 5 + 3
+    assert one.exposed_s == pytest.approx(0.008)
+    # merging only pays when alpha is large against the backward gaps: here one per layer is already best
+    assert optimal_plan(layers, link).buckets == ((0, 0), (1, 1), (2, 2))
+
+
+def test_high_latency_merges_and_zero_latency_does_not():
+    layers = [Layer(f"l{i}", 0.001, 100_000) for i in range(8)]
+    merged = optimal_plan(layers, AlphaBeta(0.05, 1e-9))
+    assert len(merged.buckets) < 8
+    # with no latency, a bucket per layer starts every byte as early as possible: never worse
+    free = optimal_plan(layers, AlphaBeta(0.0, 1e-8))
+    assert free.exposed_s == pytest.approx(per_layer_plan(layers, AlphaBeta(0.0, 1e-8)).exposed_s)
+
+
+def test_size_plan_closes_a_bucket_once_it_is_full():
+    layers = [Layer("a", 0.01, 3), Layer("b", 0.01, 3), Layer("c", 0.01, 3), Layer("d", 0.01, 1)]
+    assert size_plan(layers, AlphaBeta(0, 0), 5).buckets == ((0, 1), (2, 3))
+    assert size_plan(layers, AlphaBeta(0, 0), 5).bucket_bytes() == [6, 4]
+
+
+def test_negative_inputs_are_refused():
+    with pytest.raises(ValueError, match="alpha_s"):
+        optimal_plan([Layer("a", 0.1, 1)], AlphaBeta(-1.0, 0.0))
+    with pytest.raises(ValueError, match="'a'"):
+        optimal_plan([Layer("a", -0.1, 1)], AlphaBeta(0.0, 0.0))
