@@ -39,8 +39,11 @@ def gradient_layers(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, rep
              for p in module.parameters(recurse=False) if p.requires_grad}
     params = [p for p in replica.parameters() if p.requires_grad]
     ready: dict[int, float] = {}
-    handles = [p.register_post_accumulate_grad_hook(lambda p: ready.setdefault(id(p), time.perf_counter()))
-               for p in params]
+
+    def note_ready(p: Tensor) -> None:
+        ready.setdefault(id(p), time.perf_counter())
+
+    handles = [p.register_post_accumulate_grad_hook(note_ready) for p in params]
     runs: list[list[tuple[str, float, int]]] = []
     try:
         for _ in range(repeats):

@@ -9,7 +9,12 @@ Which hook does what, and why ours where torch has one:
   cast-and-all-reduce: cast the bucket to bf16, divide by the world, all-reduce,
   cast back.
 - powersgd: torch's `powerSGD_hook` (rank and warm-up knobs; `batched_powerSGD_hook`
-  fails on this torch, see PLATFORM.md).
+  fails on this torch, see PLATFORM.md). Its later all-reduces (P, then Q) are
+  launched from callbacks on the backend's threads, so with several buckets in
+  flight two gloo ranks can issue them in different orders and gloo aborts
+  ("Received data size doesn't match expected size"). On gloo each bucket
+  therefore waits for the one before it (`one_bucket_at_a_time`): correct,
+  with less overlap.
 - topk (Aji & Heafield 2017; error feedback as in Stich et al. 2018): each
   rank sends the k largest-magnitude entries of gradient + residual, as fp32
   values and int32 indices; what it did not send is kept as the residual and
@@ -66,7 +71,7 @@ def _fp32_bytes(values: Tensor) -> Tensor:
 
 
 def _fp32_from(raw: Tensor) -> Tensor:
-    return raw.contiguous().view(torch.float32)
+    return raw.clone().view(torch.float32)  # a copy: a rank's message in the gathered buffer may sit at any offset
 
 
 @dataclass
@@ -96,7 +101,7 @@ class TopK(Codec):
     def decode(self, message: Tensor, numel: int) -> Tensor:
         k = self.k(numel)
         values = _fp32_from(message[: k * FP32_BYTES])
-        indices = message[k * FP32_BYTES:].contiguous().view(torch.int32).long()
+        indices = message[k * FP32_BYTES:].clone().view(torch.int32).long()
         return torch.zeros(numel, dtype=torch.float32).index_add_(0, indices, values)
 
 
@@ -196,6 +201,21 @@ def codec_hook(codec: Codec, group: Any = None) -> Hook:
     return hook
 
 
+def one_bucket_at_a_time(hook: Hook) -> Hook:
+    """`hook`, but a bucket starts only once the previous bucket's communication has finished."""
+    previous: list[torch.futures.Future[Tensor]] = []
+
+    def serialised(state, bucket):  # type: ignore[no-untyped-def]
+        if previous:
+            previous.pop().wait()
+        future = hook(state, bucket)
+        if not bucket.is_last():
+            previous.append(future)
+        return future
+
+    return serialised
+
+
 def cast_hook(dtype: torch.dtype, group: Any = None) -> Hook:
     """Cast to `dtype`, divide by the world, all-reduce, cast back: torch's fp16 hook for any dtype gloo sums."""
 
@@ -229,8 +249,10 @@ class CompressionHook:
 
 
 def compression_hook(name: str, *, powersgd_rank: int = 1, powersgd_start_iter: int = 2, topk_ratio: float = 0.01,
-                     qsgd_levels: int = 4, seed: int = 0, group: Any = None) -> CompressionHook:
-    """The hook a spec's `comm_hook` names (ddp's knobs); `seed` differs per rank (QSGD's rounding)."""
+                     qsgd_levels: int = 4, seed: int = 0, group: Any = None,
+                     serialise_buckets: bool = True) -> CompressionHook:
+    """The hook a spec's `comm_hook` names (ddp's knobs); `seed` differs per rank (QSGD's rounding);
+    `serialise_buckets` (gloo) keeps PowerSGD's chained all-reduces in one order on every rank."""
     if name == "fp16":
         return CompressionHook(group, default_hooks.fp16_compress_hook, lambda _s, b: b.buffer().numel() * 2)
     if name == "bf16":
@@ -238,7 +260,8 @@ def compression_hook(name: str, *, powersgd_rank: int = 1, powersgd_start_iter: 
     if name == "powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                             start_powerSGD_iter=powersgd_start_iter)
-        return CompressionHook(state, powerSGD_hook.powerSGD_hook, powersgd_payload_bytes)
+        hook = one_bucket_at_a_time(powerSGD_hook.powerSGD_hook) if serialise_buckets else powerSGD_hook.powerSGD_hook
+        return CompressionHook(state, hook, powersgd_payload_bytes)
     codecs: dict[str, Callable[[], Codec]] = {
         "topk": lambda: TopK(topk_ratio), "qsgd": lambda: QSGD(qsgd_levels, seed), "minmax8": MinMax8}
     if name in codecs:

@@ -50,7 +50,8 @@ class DDP(Strategy):
         spec = self.spec
         chosen = compression_hook(spec.comm_hook, powersgd_rank=spec.powersgd_rank,
                                   powersgd_start_iter=spec.powersgd_start_iter, topk_ratio=spec.topk_ratio,
-                                  qsgd_levels=spec.qsgd_levels, seed=self.ctx.experiment.seed * 1000 + self.ctx.rank)
+                                  qsgd_levels=spec.qsgd_levels, seed=self.ctx.experiment.seed * 1000 + self.ctx.rank,
+                                  serialise_buckets=self.ctx.backend == "gloo")
         ddp.register_comm_hook(chosen.state, timed_hook(chosen.hook, chosen.payload_bytes, self.comm, chosen.kind))
         return ddp
 
