@@ -24,8 +24,9 @@ can. A brute force over all 2^(L-1) contiguous splits checks it in the tests.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 
@@ -137,3 +138,20 @@ def _check(layers: Sequence[Layer], link: AlphaBeta) -> None:
     for layer in layers:
         if layer.backward_s < 0 or layer.grad_bytes < 0:
             raise ValueError(f"layer {layer.name!r}: backward_s and grad_bytes must be >= 0")
+
+
+PLAN_EVENT = "bucket_plan"  # the run's event holding the plan DDP used (plan_to_json)
+
+
+def plan_to_json(plan: BucketPlan, link: AlphaBeta) -> str:
+    return json.dumps({"name": plan.name, "layers": [asdict(layer) for layer in plan.layers],
+                       "buckets": plan.buckets, "backward_s": plan.backward_s, "finish_s": plan.finish_s,
+                       "link": asdict(link)})
+
+
+def plan_from_json(text: str) -> tuple[BucketPlan, AlphaBeta]:
+    raw = json.loads(text)
+    plan = BucketPlan(tuple(Layer(**layer) for layer in raw["layers"]),
+                      tuple((int(s), int(e)) for s, e in raw["buckets"]), raw["backward_s"], raw["finish_s"],
+                      raw["name"])
+    return plan, AlphaBeta(**raw["link"])

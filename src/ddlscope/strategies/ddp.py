@@ -36,9 +36,11 @@ class DDP(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         on_cuda = self.ctx.device.type == "cuda"
-        self.bucket_plan = self._bucket_plan(model)
+        self.bucket_plan, self.bucket_link = self._bucket_plan(model)
         buckets: dict[str, Any] = {"bucket_cap_mb": self.spec.bucket_mb}
+        self.setup_events: list[tuple[str, str]] = []
         if self.bucket_plan is not None:
+            self.setup_events.append((plans.PLAN_EVENT, plans.plan_to_json(self.bucket_plan, self.bucket_link)))
             buckets = {"bucket_cap_mb_list": bucket_caps_mb(self.bucket_plan.bucket_bytes())}
         ddp = DistributedDataParallel(
             model,
@@ -55,10 +57,10 @@ class DDP(Strategy):
         ddp.register_comm_hook(chosen.state, timed_hook(chosen.hook, chosen.payload_bytes, self.comm, chosen.kind))
         return ddp
 
-    def _bucket_plan(self, model: nn.Module) -> plans.BucketPlan | None:
+    def _bucket_plan(self, model: nn.Module) -> tuple[plans.BucketPlan | None, plans.AlphaBeta | None]:
         """The spec's plan over measured layers (rank 0's, on every rank), or None for DDP's size buckets."""
         if self.spec.buckets == "size":
-            return None
+            return None, None
         exp = self.ctx.experiment
         task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
         x, y = task.train.get(torch.arange(exp.per_rank_batch()) % max(len(task.train), 1))  # the first batch
@@ -67,6 +69,6 @@ class DDP(Strategy):
                 else probe_alpha_beta())
         plan = (plans.optimal_plan(layers, link) if self.spec.buckets == "mgwfbp"
                 else plans.per_layer_plan(layers, link))
-        plan = same_on_every_rank(plan)
+        plan, link = same_on_every_rank((plan, link))
         log.info("bucket plan %s: %d buckets, predicted exposed %.4f s", plan.name, len(plan.buckets), plan.exposed_s)
-        return plan
+        return plan, link
