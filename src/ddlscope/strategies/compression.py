@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from ddlscope.specs.strategies.ddp import qsgd_code_bits as packed_bits
 from ddlscope.strategies.comm import CommRecorder
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[Tensor]]
@@ -103,12 +104,6 @@ class TopK(Codec):
         values = _fp32_from(message[: k * FP32_BYTES])
         indices = message[k * FP32_BYTES:].clone().view(torch.int32).long()
         return torch.zeros(numel, dtype=torch.float32).index_add_(0, indices, values)
-
-
-def packed_bits(levels: int) -> int:
-    """Bits per QSGD code: 2 s + 1 values (sign and level) in 2, 4 or 8 bits."""
-    values = 2 * levels + 1
-    return 2 if values <= 4 else 4 if values <= 16 else 8
 
 
 def pack_codes(codes: Tensor, bits: int) -> Tensor:

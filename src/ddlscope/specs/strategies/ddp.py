@@ -10,6 +10,13 @@ from pydantic import Field, model_validator
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
 
 _POWERSGD_CALL = re.compile(r"^powersgd\((\d+)\)$")
+GATHERED_HOOKS = ("topk", "qsgd", "minmax8")  # lossy codes that do not sum in place: all-gathered, decoded by all
+
+
+def qsgd_code_bits(levels: int) -> int:
+    """QSGD's bits per entry: 2 s + 1 codes (sign and level) packed in 2, 4 or 8 bits."""
+    values = 2 * levels + 1
+    return 2 if values <= 4 else 4 if values <= 16 else 8
 
 
 @strategy_spec
@@ -48,3 +55,9 @@ class DDPSpec(StrategySpec):
             if match:
                 data = {**data, "comm_hook": "powersgd", "powersgd_rank": int(match.group(1))}
         return data
+
+    def payload_fraction(self) -> float | None:
+        """Bytes a rank sends per byte of fp32 gradient with this hook (per-bucket headers aside); None for
+        PowerSGD, whose share depends on the matrices' shapes."""
+        return {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "topk": 2 * self.topk_ratio,
+                "qsgd": qsgd_code_bits(self.qsgd_levels) / 32, "minmax8": 0.25}.get(self.comm_hook)
