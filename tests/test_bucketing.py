@@ -71,3 +71,68 @@ def test_negative_inputs_are_refused():
         optimal_plan([Layer("a", 0.1, 1)], AlphaBeta(-1.0, 0.0))
     with pytest.raises(ValueError, match="'a'"):
         optimal_plan([Layer("a", -0.1, 1)], AlphaBeta(0.0, 0.0))
+
+
+# ---------------------------------------------------------------------------- the DDP estimator
+def _ddp_estimate(cluster_name: str = "a100-80gb", nodes: int = 4, **knobs):
+    from ddlscope.predict.catalogue import make_cluster
+    from ddlscope.predict.estimators import ClusterCase, estimator_for
+    from ddlscope.predict.estimators.ddp import cluster_plan
+    from ddlscope.predict.strategies import ServerSpec, image_workload
+    from ddlscope.specs.strategies.ddp import DDPSpec
+
+    spec = DDPSpec(**knobs)
+    case = ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=make_cluster(cluster_name, nodes, 8),
+                       stragglers=1.0, slowdowns=None, server=ServerSpec(), activation_bytes=1e9,
+                       weight_bytes_per_param=4.0, optimizer_bytes_per_param=8.0)
+    plan = cluster_plan(spec, case) if spec.buckets != "size" else None
+    return estimator_for(spec).cluster(spec, case), plan
+
+
+def test_the_estimator_prices_the_plan_it_chooses():
+    size, _ = _ddp_estimate()
+    optimal, plan = _ddp_estimate(buckets="mgwfbp")
+    per_layer, per_layer_plan_ = _ddp_estimate(buckets="per_layer")
+    assert optimal.exposed_comm_s == pytest.approx(plan.exposed_s)  # the same model chooses and predicts
+    assert optimal.exposed_comm_s <= per_layer.exposed_comm_s
+    assert optimal.compute_s == size.compute_s == per_layer.compute_s
+    assert optimal.step_s == pytest.approx(size.step_s - size.exposed_comm_s + plan.exposed_s)
+    assert len(per_layer_plan_.buckets) == len(plan.layers)
+
+
+def test_the_estimator_prices_compression_bytes_and_codec_compute():
+    plain, _ = _ddp_estimate()
+    half = {hook: _ddp_estimate(comm_hook=hook)[0] for hook in ("fp16", "bf16")}
+    assert half["fp16"].comm_s == pytest.approx(plain.comm_s / 2, rel=0.05)
+    assert half["bf16"].step_s == pytest.approx(half["fp16"].step_s)
+    assert half["fp16"].compute_s > plain.compute_s  # the casts cost a pass over the gradients
+    qsgd2, qsgd8 = _ddp_estimate(comm_hook="qsgd", qsgd_levels=1)[0], _ddp_estimate(comm_hook="qsgd", qsgd_levels=100)[0]
+    minmax = _ddp_estimate(comm_hook="minmax8")[0]
+    assert qsgd8.comm_s == pytest.approx(minmax.comm_s, rel=1e-9)  # both 8 bits an entry
+    assert qsgd2.comm_s == pytest.approx(qsgd8.comm_s / 4, rel=0.05)  # 2 bits instead of 8
+    # decoding every rank's message grows with the ranks: at 512 GPUs the gathered codes cost more compute
+    big = _ddp_estimate(nodes=64, comm_hook="minmax8")[0]
+    assert big.compute_s - plain.compute_s > minmax.compute_s - plain.compute_s
+
+
+def test_on_a_slow_network_the_ddp_estimate_notes_what_compression_and_buckets_would_give():
+    from ddlscope.predict.catalogue import make_cluster
+    from ddlscope.predict.estimators import ClusterCase, estimator_for
+    from ddlscope.predict.estimators.base import KNOB_NOTE_PREFIX
+    from ddlscope.predict.strategies import ServerSpec, image_workload
+    from ddlscope.specs.strategies.ddp import DDPSpec
+
+    def notes(cluster):
+        case = ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=cluster, stragglers=1.0,
+                           slowdowns=None, server=ServerSpec(), activation_bytes=1e9, weight_bytes_per_param=4.0,
+                           optimizer_bytes_per_param=8.0)
+        est = estimator_for(DDPSpec()).cluster(DDPSpec(), case)
+        return est, [n for n in estimator_for(DDPSpec()).cluster_notes(DDPSpec(), case) if n.startswith(KNOB_NOTE_PREFIX)]
+
+    slow_est, slow = notes(make_cluster("a10g", 4, 4))
+    assert slow_est.exposed_comm_s > 0.1 * slow_est.compute_s and len(slow) == 1
+    listed = [float(part.rsplit(" ", 2)[-2]) for part in slow[0].split(": ", 2)[2].split("; ")[:8]]
+    assert listed == sorted(listed) and len(listed) == 8  # every hook and plan, the fastest first
+    assert "comm_hook=fp16" in slow[0] and "buckets=mgwfbp" in slow[0]
+    fast_est, fast = notes(make_cluster("h100", 1, 2))
+    assert (fast_est.exposed_comm_s <= 0.1 * fast_est.compute_s) == (fast == [])

@@ -8,10 +8,20 @@ import math
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
-from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
+from ddlscope.predict.estimators.base import (
+    KNOB_NOTE_PREFIX, ClusterCase, Estimator, LocalCase, LocalComm, LocalStep)
 from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required
 from ddlscope.specs import bucketing as plans
 from ddlscope.specs.strategies.ddp import GATHERED_HOOKS, DDPSpec
+
+# DDP's communication counts as slow (worth compressing or re-bucketing) when this much of it is exposed
+# against the step's compute.
+SLOW_EXPOSED_FRACTION = 0.1
+# The knobs advise prices on a slow network: each hook with its defaults, and the bucket plans.
+KNOB_VARIANTS: tuple[dict[str, object], ...] = (
+    {"comm_hook": "fp16"}, {"comm_hook": "bf16"}, {"comm_hook": "powersgd", "powersgd_rank": 4},
+    {"comm_hook": "topk"}, {"comm_hook": "qsgd"}, {"comm_hook": "minmax8"},
+    {"buckets": "per_layer"}, {"buckets": "mgwfbp"})
 
 # Passes over the fp32 gradient to encode a bucket (casts, abs/top-k, norms, rounding, packing), as in
 # predict/strategies.py:compressed_ddp.
@@ -30,11 +40,15 @@ class DDPEstimator(Estimator):
         return _with_plan(plain, cluster_plan(spec, case))
 
     def cluster_notes(self, spec: DDPSpec, case: ClusterCase) -> list[str]:
-        if spec.buckets == "size" or spec.comm_hook != "none":
-            return []
-        plan = cluster_plan(spec, case)
-        return [f"{spec.buckets} buckets: {len(plan.buckets)} over {len(plan.layers)} equal layers, "
-                f"predicted exposed communication {plan.exposed_s * 1e3:.2f} ms (MG-WFBP's model)"]
+        notes = []
+        if spec.buckets != "size" and spec.comm_hook == "none":
+            plan = cluster_plan(spec, case)
+            notes.append(f"{spec.buckets} buckets: {len(plan.buckets)} over {len(plan.layers)} equal layers, "
+                         f"predicted exposed communication {plan.exposed_s * 1e3:.2f} ms (MG-WFBP's model)")
+        mine = self.cluster(spec, case)
+        if mine.exposed_comm_s > SLOW_EXPOSED_FRACTION * mine.compute_s:
+            notes.append(knob_advice(spec, case, mine))
+        return notes
 
     def cluster_memory(self, spec: DDPSpec, case: ClusterCase) -> tuple[float, float | None]:
         return case.replicated_state_bytes + 2 * spec.bucket_mb * 2**20 + case.activation_bytes, None
@@ -96,3 +110,20 @@ def _with_plan(plain: pst.StrategyEstimate, plan: plans.BucketPlan) -> pst.Strat
                                samples_per_s=plain.samples_per_s * plain.step_s / step,
                                speedup_vs_single=plain.speedup_vs_single * plain.step_s / step,
                                scaling_efficiency=plain.scaling_efficiency * plain.step_s / step)
+
+
+def knob_advice(spec: DDPSpec, case: ClusterCase, mine: pst.StrategyEstimate) -> str:
+    """On a slow network: the step time of each compression hook and bucket plan, the best first."""
+    priced = []
+    for knobs in KNOB_VARIANTS:
+        variant = spec.model_copy(update={"comm_hook": "none", "buckets": "size", **knobs})
+        label = ", ".join(f"{k}={v}" for k, v in knobs.items())
+        priced.append((float(DDPEstimator().cluster(variant, case).step_s), label))
+    priced.sort()
+    listed = "; ".join(f"{label} {step * 1e3:.3g} ms" for step, label in priced)
+    best_s, best = priced[0]
+    verdict = (f"{best} would cut the step to {best_s / mine.step_s:.0%}" if best_s < mine.step_s
+               else "none beats the current knobs")
+    return (f"{KNOB_NOTE_PREFIX}communication is slow here ({mine.exposed_comm_s * 1e3:.3g} ms exposed against "
+            f"{mine.compute_s * 1e3:.3g} ms compute, step {mine.step_s * 1e3:.3g} ms): {listed}; {verdict} "
+            "(compression's accuracy cost is not in these times: see `ddlscope study dataparallel`)")
