@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.studies import STUDIES
-from ddlscope.studies.base import Cell, CellResult, Findings, Study, measurement_notes, median_or_none
+from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes, median_or_none
 from ddlscope.studies.paper import (
     ACCURACY_SETTINGS, MOMENTUM_COMPENSATED, NETWORKS, QUICK_WORKERS, accuracy_cell, repeated)
 
@@ -35,7 +36,38 @@ REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homo
 
 def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
     strategy, _, variant = name.partition("+")
+    if variant in DDP_KNOBS:
+        return ddp_knob_cell(variant, network, world)
     return accuracy_cell(SETTING, strategy, network, workers, world, variant)
+
+
+# --- DDP's gradient compression and bucket plans (strategies/compression.py, specs/bucketing.py) -----------
+# "ddp+<variant>": DDP with these knobs. Compression is studied on the slow network, where bytes cost;
+# bucket plans (MG-WFBP's optimal merge against one bucket per layer; plain ddp is DDP's 25 MB buckets)
+# on both networks.
+COMPRESSION_KNOBS: dict[str, dict[str, object]] = {
+    "fp16": {"comm_hook": "fp16"}, "bf16": {"comm_hook": "bf16"},
+    "powersgd": {"comm_hook": "powersgd", "powersgd_rank": 2},
+    "topk": {"comm_hook": "topk", "topk_ratio": 0.01}, "qsgd": {"comm_hook": "qsgd", "qsgd_levels": 4},
+    "minmax8": {"comm_hook": "minmax8"}}
+BUCKET_KNOBS: dict[str, dict[str, object]] = {"per_layer": {"buckets": "per_layer"}, "mgwfbp": {"buckets": "mgwfbp"}}
+DDP_KNOBS = {**COMPRESSION_KNOBS, **BUCKET_KNOBS}
+QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")  # the quick study's two: on the slow network
+
+
+def ddp_knob_cell(variant: str, network: str, world: int = QUICK_WORKERS) -> Cell:
+    """The DDP accuracy cell with one compression hook or bucket plan."""
+    base = accuracy_cell(SETTING, "ddp", network, "homogeneous", world, variant)
+    raw = experiment_to_dict(base.experiment)
+    raw["strategy"] = {**raw["strategy"], **DDP_KNOBS[variant]}
+    return build_cell(base.key, base.labels, raw)
+
+
+def ddp_knob_cells(quick: bool) -> list[Cell]:
+    if quick:
+        return [cell(name, "slow", "homogeneous") for name in QUICK_KNOB_CELLS]
+    return ([cell(f"ddp+{v}", "slow", "homogeneous") for v in COMPRESSION_KNOBS]
+            + [cell(f"ddp+{v}", network, "homogeneous") for network in NETWORKS for v in BUCKET_KNOBS])
 
 
 @STUDIES.register("dataparallel")
@@ -53,6 +85,7 @@ class DataParallelStudy(Study):
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
+        cells += ddp_knob_cells(quick)
         return cells + repeated(SETTING, cells, repeats)
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
@@ -87,7 +120,8 @@ class _Analysis:
         return self.cells.get((strategy, network, workers))
 
     def findings(self) -> Findings:
-        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco()) if h]
+        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco(),
+                                 self._compression(), self._buckets("fast"), self._buckets("slow")) if h]
         regimes = self._regimes()
         decisions = [line for _, line in regimes]
         table = self._table()
@@ -201,6 +235,40 @@ class _Analysis:
                    else "partly: far less communication, but accuracy fell by more than 2 points")
         return {"headline": "DiLoCo", "paper": "hundreds of times less communication at similar quality (outer "
                 "Nesterov momentum, Douillard et al. 2023)", "measured": measured, "verdict": verdict}
+
+    def _compression(self) -> dict[str, str] | None:
+        ddp = self.get("ddp", "slow")
+        hooks = [(v, m) for v in COMPRESSION_KNOBS if (m := self.get(f"ddp+{v}", "slow"))]
+        if not ddp or not hooks or not ddp.bytes_per_step or not ddp.step_s:
+            return None
+        parts = [f"{v}: {(m.bytes_per_step or math.nan) / ddp.bytes_per_step:.3f}x the bytes, step "
+                 f"{(m.step_s or math.nan) / ddp.step_s:.2f}x, exposed {_ms(m.exposed_comm_s)}, accuracy "
+                 f"{_pct(m.accuracy)}, to target {_s(m.to_target_s)}" for v, m in hooks]
+        measured = (f"slow network, against DDP ({_kb(ddp.bytes_per_step)} and {_ms(ddp.step_s)} a step, exposed "
+                    f"{_ms(ddp.exposed_comm_s)}, accuracy {_pct(ddp.accuracy)}): " + "; ".join(parts))
+        faster = [v for v, m in hooks if (m.step_s or math.inf) < ddp.step_s
+                  and (m.accuracy or 0) >= (ddp.accuracy or 0) - 0.02]
+        verdict = (f"faster at DDP's accuracy (within 2 points): {', '.join(faster)}" if faster
+                   else "no hook was faster at DDP's accuracy here")
+        return {"headline": "Gradient compression vs DDP", "paper": "fp16/bf16 halve the bytes, PowerSGD, top-k "
+                "with error feedback, QSGD and 8-bit quantisation cut them further at little accuracy cost",
+                "measured": measured, "verdict": verdict}
+
+    def _buckets(self, network: str) -> dict[str, str] | None:
+        size, per_layer, optimal = (self.get(n, network) for n in ("ddp", "ddp+per_layer", "ddp+mgwfbp"))
+        if not size or not per_layer or not optimal:
+            return None
+        measured = (f"{network} network, exposed communication a step: MG-WFBP {_ms(optimal.exposed_comm_s)}, "
+                    f"25 MB buckets {_ms(size.exposed_comm_s)}, one per layer {_ms(per_layer.exposed_comm_s)}; step "
+                    f"{_ms(optimal.step_s)} / {_ms(size.step_s)} / {_ms(per_layer.step_s)}")
+        best = min((optimal, size, per_layer), key=lambda m: m.exposed_comm_s if m.exposed_comm_s is not None
+                   else math.inf)
+        verdict = ("agrees: the optimal merge exposed the least" if best is optimal
+                   else f"differs: {best.strategy} exposed less here (the plan's layer times are one rank's, "
+                        "timed alone; see `ddlscope buckets RUN` for its prediction)")
+        return {"headline": f"MG-WFBP buckets ({network} network)", "paper": "merging layer gradients optimally "
+                "under the alpha-beta model hides more communication than per-layer or fixed-size buckets "
+                "(PAPERS.md item 12)", "measured": measured, "verdict": verdict}
 
     # -- which strategy wins where ------------------------------------------------
     def _regimes(self) -> list[tuple[str, str]]:
