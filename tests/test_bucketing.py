@@ -108,7 +108,7 @@ def test_the_estimator_prices_compression_bytes_and_codec_compute():
     assert half["fp16"].compute_s > plain.compute_s  # the casts cost a pass over the gradients
     qsgd2, qsgd8 = _ddp_estimate(comm_hook="qsgd", qsgd_levels=1)[0], _ddp_estimate(comm_hook="qsgd", qsgd_levels=100)[0]
     minmax = _ddp_estimate(comm_hook="minmax8")[0]
-    assert qsgd8.comm_s == pytest.approx(minmax.comm_s, rel=1e-9)  # both 8 bits an entry
+    assert qsgd8.comm_s == pytest.approx(minmax.comm_s, rel=0.02)  # both 8 bits an entry (+ QSGD's norms)
     assert qsgd2.comm_s == pytest.approx(qsgd8.comm_s / 4, rel=0.05)  # 2 bits instead of 8
     # decoding every rank's message grows with the ranks: at 512 GPUs the gathered codes cost more compute
     big = _ddp_estimate(nodes=64, comm_hook="minmax8")[0]

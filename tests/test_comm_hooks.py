@@ -105,7 +105,7 @@ def _powersgd_bytes(rank: int) -> int:
 
 
 def _expected_fraction(name: str, plain_bytes: int) -> float:
-    return {"fp16": 0.5, "bf16": 0.5, "topk": 2 * 0.05, "qsgd": 4 / 32, "minmax8": 8 / 32,
+    return {"fp16": 0.5, "bf16": 0.5, "topk": 2 * 0.05, "qsgd": 4 / 32 + 1 / 512, "minmax8": 8 / 32,
             "powersgd": _powersgd_bytes(2) / plain_bytes}[name]
 
 

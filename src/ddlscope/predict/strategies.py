@@ -22,7 +22,7 @@ import numpy as np
 from ddlscope.predict import collectives as coll
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.specs import ConfigError
-from ddlscope.specs.strategies.ddp import qsgd_code_bits
+from ddlscope.specs.strategies.ddp import QSGD_CHUNK, qsgd_code_bits
 
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ def compressed_ddp(workload: Workload, cluster: Cluster, method: str = "fp16", r
             raise ConfigError(f"ratio = {ratio}: must be in (0, 1]")
         if method == "qsgd" and not 1 <= levels <= 127:
             raise ConfigError(f"levels = {levels}: must be in 1..127")
-        bytes_per_param = {"topk": ratio * 8.0, "qsgd": qsgd_code_bits(levels) / 8,
+        bytes_per_param = {"topk": ratio * 8.0, "qsgd": qsgd_code_bits(levels) / 8 + 4 / QSGD_CHUNK,
                            "minmax8": 1.0}[method]
         encode_passes = {"topk": 4, "qsgd": 6, "minmax8": 4}[method]
         base = ddp(workload, cluster, bucket_mb, grad_bytes_per_param=1e-12, name=f"ddp-{method}")

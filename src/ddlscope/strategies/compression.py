@@ -22,7 +22,7 @@ Which hook does what, and why ours where torch has one:
   the (value, index) pairs are all-gathered and scattered into a dense sum.
 - qsgd (Alistarh et al. 2017): each entry becomes norm * sign * l / s with
   l in 0..s drawn by unbiased stochastic rounding; the codes (2s + 1 values)
-  are packed 2, 4 or 8 bits each, plus the bucket's fp32 norm; all-gathered.
+  are packed 2, 4 or 8 bits each, plus an fp32 norm per 512 entries; all-gathered.
 - minmax8 (Bagua's ByteGrad): 8-bit min-max quantisation of each bucket,
   round to nearest, plus its fp32 min and max; all-gathered.
 
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from ddlscope.specs.strategies.ddp import qsgd_code_bits as packed_bits
+from ddlscope.specs.strategies.ddp import QSGD_CHUNK, qsgd_code_bits as packed_bits
 from ddlscope.strategies.comm import CommRecorder
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[Tensor]]
@@ -121,9 +121,13 @@ def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
     return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).flatten()[:numel]
 
 
+
+
 @dataclass
 class QSGD(Codec):
-    """Unbiased stochastic quantisation to s levels of |g| / ||g||, with the sign; codes bit-packed."""
+    """Unbiased stochastic quantisation to s levels of |g| / ||g||, with the sign, one fp32 norm per chunk of
+    QSGD_CHUNK entries (the variance grows with the chunk's length: one norm per DDP bucket of 40 k entries
+    trained cnn-digits to 45% where DDP reached 97%); codes bit-packed."""
 
     levels: int
     seed: int = 0
@@ -133,23 +137,27 @@ class QSGD(Codec):
         self.generator = torch.Generator().manual_seed(self.seed)
 
     def message_bytes(self, numel: int) -> int:
-        bits = packed_bits(self.levels)
-        return FP32_BYTES + math.ceil(numel * bits / 8)
+        return FP32_BYTES * math.ceil(numel / QSGD_CHUNK) + math.ceil(numel * packed_bits(self.levels) / 8)
 
     def encode(self, grad: Tensor, key: int) -> Tensor:
-        grad = grad.to(torch.float32)
-        norm = grad.norm()
-        scaled = grad.abs() / norm * self.levels if norm > 0 else torch.zeros_like(grad)
+        chunks = math.ceil(grad.numel() / QSGD_CHUNK)
+        padded = torch.zeros(chunks * QSGD_CHUNK)
+        padded[: grad.numel()] = grad.to(torch.float32)
+        rows = padded.view(chunks, QSGD_CHUNK)
+        norms = rows.norm(dim=1, keepdim=True)
+        scaled = rows.abs() / norms.clamp_min(torch.finfo(torch.float32).tiny) * self.levels
         lower = scaled.floor()
         # round up with probability (scaled - lower): E[level] = scaled, so the decoded gradient is unbiased
-        level = lower + (torch.rand(grad.shape, generator=self.generator) < scaled - lower).float()
-        codes = (torch.sign(grad) * level).to(torch.int32) + self.levels
-        return torch.cat([_fp32_bytes(norm.reshape(1)), pack_codes(codes, packed_bits(self.levels))])
+        level = lower + (torch.rand(rows.shape, generator=self.generator) < scaled - lower).float()
+        codes = (torch.sign(rows) * level).to(torch.int32).flatten()[: grad.numel()] + self.levels
+        return torch.cat([_fp32_bytes(norms.flatten()), pack_codes(codes, packed_bits(self.levels))])
 
     def decode(self, message: Tensor, numel: int) -> Tensor:
-        norm = _fp32_from(message[:FP32_BYTES])
-        codes = unpack_codes(message[FP32_BYTES:], packed_bits(self.levels), numel)
-        return (codes - self.levels).to(torch.float32) * (norm / self.levels)
+        chunks = math.ceil(numel / QSGD_CHUNK)
+        norms = _fp32_from(message[: FP32_BYTES * chunks])
+        codes = unpack_codes(message[FP32_BYTES * chunks:], packed_bits(self.levels), numel)
+        scale = norms.repeat_interleave(QSGD_CHUNK)[:numel] / self.levels
+        return (codes - self.levels).to(torch.float32) * scale
 
 
 @dataclass

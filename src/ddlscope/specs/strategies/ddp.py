@@ -11,6 +11,7 @@ from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
 
 _POWERSGD_CALL = re.compile(r"^powersgd\((\d+)\)$")
 GATHERED_HOOKS = ("topk", "qsgd", "minmax8")  # lossy codes that do not sum in place: all-gathered, decoded by all
+QSGD_CHUNK = 512  # entries per QSGD norm (the paper's bucket size d)
 
 
 def qsgd_code_bits(levels: int) -> int:
@@ -60,4 +61,4 @@ class DDPSpec(StrategySpec):
         """Bytes a rank sends per byte of fp32 gradient with this hook (per-bucket headers aside); None for
         PowerSGD, whose share depends on the matrices' shapes."""
         return {"none": 1.0, "fp16": 0.5, "bf16": 0.5, "topk": 2 * self.topk_ratio,
-                "qsgd": qsgd_code_bits(self.qsgd_levels) / 32, "minmax8": 0.25}.get(self.comm_hook)
+                "qsgd": qsgd_code_bits(self.qsgd_levels) / 32 + 1 / QSGD_CHUNK, "minmax8": 0.25}.get(self.comm_hook)
