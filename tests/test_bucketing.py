@@ -136,3 +136,20 @@ def test_on_a_slow_network_the_ddp_estimate_notes_what_compression_and_buckets_w
     assert "comm_hook=fp16" in slow[0] and "buckets=mgwfbp" in slow[0]
     fast_est, fast = notes(make_cluster("h100", 1, 2))
     assert (fast_est.exposed_comm_s <= 0.1 * fast_est.compute_s) == (fast == [])
+
+
+def test_localsgd_compressed_average_is_priced_at_half_the_bytes():
+    from ddlscope.predict.catalogue import make_cluster
+    from ddlscope.predict.estimators import ClusterCase, estimator_for
+    from ddlscope.predict.strategies import ServerSpec, image_workload
+    from ddlscope.specs.strategies.localsgd import LocalSGDSpec
+
+    case = ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=make_cluster("a10g", 4, 4),
+                       stragglers=1.0, slowdowns=None, server=ServerSpec(), activation_bytes=1e9,
+                       weight_bytes_per_param=4.0, optimizer_bytes_per_param=8.0)
+    plain = estimator_for(LocalSGDSpec(period=2)).cluster(LocalSGDSpec(period=2), case)
+    half = estimator_for(LocalSGDSpec(period=2)).cluster(LocalSGDSpec(period=2, compression="bf16"), case)
+    assert 0.45 < half.comm_s / plain.comm_s < 0.55  # bandwidth-bound: half the bytes, about half the time
+    assert half.step_s == pytest.approx(plain.step_s - (plain.exposed_comm_s - half.exposed_comm_s))
+    with pytest.raises(ValueError, match="compression"):
+        LocalSGDSpec(period=4, group_period=2, compression="fp16")
