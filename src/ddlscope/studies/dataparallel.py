@@ -36,8 +36,8 @@ REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homo
 
 def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
     strategy, _, variant = name.partition("+")
-    if variant in DDP_KNOBS:
-        return ddp_knob_cell(variant, network, world)
+    if (strategy, variant) in KNOB_CELLS:
+        return knob_cell(strategy, variant, network, world)
     return accuracy_cell(SETTING, strategy, network, workers, world, variant)
 
 
@@ -51,15 +51,18 @@ COMPRESSION_KNOBS: dict[str, dict[str, object]] = {
     "topk": {"comm_hook": "topk", "topk_ratio": 0.01}, "qsgd": {"comm_hook": "qsgd", "qsgd_levels": 4},
     "minmax8": {"comm_hook": "minmax8"}}
 BUCKET_KNOBS: dict[str, dict[str, object]] = {"per_layer": {"buckets": "per_layer"}, "mgwfbp": {"buckets": "mgwfbp"}}
-DDP_KNOBS = {**COMPRESSION_KNOBS, **BUCKET_KNOBS}
+# localsgd's compressed average: each model's change since the last average in bf16.
+KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
+    **{("ddp", v): knobs for v, knobs in {**COMPRESSION_KNOBS, **BUCKET_KNOBS}.items()},
+    ("localsgd", "bf16"): {"compression": "bf16"}}
 QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")  # the quick study's two: on the slow network
 
 
-def ddp_knob_cell(variant: str, network: str, world: int = QUICK_WORKERS) -> Cell:
-    """The DDP accuracy cell with one compression hook or bucket plan."""
-    base = accuracy_cell(SETTING, "ddp", network, "homogeneous", world, variant)
+def knob_cell(strategy: str, variant: str, network: str, world: int = QUICK_WORKERS) -> Cell:
+    """The strategy's accuracy cell with the knobs of `variant` (a compression hook, a bucket plan)."""
+    base = accuracy_cell(SETTING, strategy, network, "homogeneous", world, variant)
     raw = experiment_to_dict(base.experiment)
-    raw["strategy"] = {**raw["strategy"], **DDP_KNOBS[variant]}
+    raw["strategy"] = {**raw["strategy"], **KNOB_CELLS[(strategy, variant)]}
     return build_cell(base.key, base.labels, raw)
 
 
@@ -67,7 +70,8 @@ def ddp_knob_cells(quick: bool) -> list[Cell]:
     if quick:
         return [cell(name, "slow", "homogeneous") for name in QUICK_KNOB_CELLS]
     return ([cell(f"ddp+{v}", "slow", "homogeneous") for v in COMPRESSION_KNOBS]
-            + [cell(f"ddp+{v}", network, "homogeneous") for network in NETWORKS for v in BUCKET_KNOBS])
+            + [cell(f"ddp+{v}", network, "homogeneous") for network in NETWORKS for v in BUCKET_KNOBS]
+            + [cell("localsgd+bf16", "slow", "homogeneous")])
 
 
 @STUDIES.register("dataparallel")
@@ -239,6 +243,7 @@ class _Analysis:
     def _compression(self) -> dict[str, str] | None:
         ddp = self.get("ddp", "slow")
         hooks = [(v, m) for v in COMPRESSION_KNOBS if (m := self.get(f"ddp+{v}", "slow"))]
+        local, local_bf16 = self.get("localsgd", "slow"), self.get("localsgd+bf16", "slow")
         if not ddp or not hooks or not ddp.bytes_per_step or not ddp.step_s:
             return None
         parts = [f"{v}: {(m.bytes_per_step or math.nan) / ddp.bytes_per_step:.3f}x the bytes, step "
@@ -248,6 +253,10 @@ class _Analysis:
                     f"{_ms(ddp.exposed_comm_s)}, accuracy {_pct(ddp.accuracy)}): " + "; ".join(parts))
         faster = [v for v, m in hooks if (m.step_s or math.inf) < ddp.step_s
                   and (m.accuracy or 0) >= (ddp.accuracy or 0) - 0.02]
+        if local and local_bf16 and local.bytes_per_step and local.step_s:
+            measured += (f"; localsgd's bf16 average: {(local_bf16.bytes_per_step or math.nan) / local.bytes_per_step:.3f}x "
+                         f"local SGD's bytes, step {(local_bf16.step_s or math.nan) / local.step_s:.2f}x, accuracy "
+                         f"{_pct(local_bf16.accuracy)} vs {_pct(local.accuracy)}")
         verdict = (f"faster at DDP's accuracy (within 2 points): {', '.join(faster)}" if faster
                    else "no hook was faster at DDP's accuracy here")
         return {"headline": "Gradient compression vs DDP", "paper": "fp16/bf16 halve the bytes, PowerSGD, top-k "
