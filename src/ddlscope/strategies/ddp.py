@@ -61,14 +61,16 @@ class DDP(Strategy):
         """The spec's plan over measured layers (rank 0's, on every rank), or None for DDP's size buckets."""
         if self.spec.buckets == "size":
             return None, None
-        exp = self.ctx.experiment
-        task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-        x, y = task.train.get(torch.arange(exp.per_rank_batch()) % max(len(task.train), 1))  # the first batch
-        layers = gradient_layers(model, task.loss_fn, x.to(self.ctx.device), y.to(self.ctx.device))
         link = (link_alpha_beta(self.ctx.link, self.ctx.workers) if self.ctx.link is not None
-                else probe_alpha_beta())
-        plan = (plans.optimal_plan(layers, link) if self.spec.buckets == "mgwfbp"
-                else plans.per_layer_plan(layers, link))
+                else probe_alpha_beta())  # a collective: every rank probes
+        plan = None
+        if self.ctx.rank == 0:  # rank 0's layer times decide; the others wait for its plan
+            exp = self.ctx.experiment
+            task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+            x, y = task.train.get(torch.arange(exp.per_rank_batch()) % max(len(task.train), 1))  # the first batch
+            layers = gradient_layers(model, task.loss_fn, x.to(self.ctx.device), y.to(self.ctx.device))
+            plan = (plans.optimal_plan(layers, link) if self.spec.buckets == "mgwfbp"
+                    else plans.per_layer_plan(layers, link))
         plan, link = same_on_every_rank((plan, link))
         log.info("bucket plan %s: %d buckets, predicted exposed %.4f s", plan.name, len(plan.buckets), plan.exposed_s)
         return plan, link

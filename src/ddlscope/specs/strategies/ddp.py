@@ -23,7 +23,8 @@ def qsgd_code_bits(levels: int) -> int:
 @strategy_spec
 class DDPSpec(StrategySpec):
     traits = Traits(family="collective", simplicity=1)
-    description = "torch DistributedDataParallel: bucketed all-reduce overlapped with backward; fp16/PowerSGD hooks"
+    description = ("torch DistributedDataParallel: bucketed all-reduce overlapped with backward; compression hooks "
+                   "(fp16, bf16, PowerSGD, top-k, QSGD, 8-bit), bucket plans (per layer, MG-WFBP)")
     advice = "the main study's choice for a homogeneous, gang-scheduled cluster whose model fits"
 
     name: Literal["ddp"] = "ddp"
