@@ -27,9 +27,8 @@ from torch import Tensor, nn
 
 from ddlscope.specs.bucketing import AlphaBeta, Layer
 from ddlscope.specs.wire import WIRE_FACTORS
+from ddlscope.strategies.base import LossFn
 from ddlscope.strategies.comm import LinkModel
-
-LossFn = Any
 
 
 def gradient_layers(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, repeats: int = 3) -> list[Layer]:

@@ -22,10 +22,8 @@ from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import Strategy
 from ddlscope.strategies.bucketing import (
     bucket_caps_mb, gradient_layers, link_alpha_beta, probe_alpha_beta, same_on_every_rank)
-from ddlscope.strategies.compression import Hook, bucket_bytes, compression_hook, timed_hook
+from ddlscope.strategies.compression import compression_hook, timed_hook
 from ddlscope.workloads import WORKLOADS
-
-__all__ = ["DDP", "Hook", "bucket_bytes", "timed_hook"]
 
 log = logging.getLogger(__name__)
 
