@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from ddlscope.cli.common import DEFAULT_DB, DbOption, JsonOption, RunArg, UserError, console, open_store
+from ddlscope.cli.common import DEFAULT_DB, DbOption, JsonOption, RunArg, console, open_store
 
 
 def buckets_command(
@@ -26,11 +26,7 @@ def buckets_command(
     from ddlscope.studies.buckets import bucket_report
 
     with open_store(db) as store:
-        run = store.get_run(run_ref)
-        if "bucket_mb" not in run.config.get("strategy", {}) and run.config.get("strategy", {}).get("name") != "ddp":
-            raise UserError(f"run {run.id} uses strategy {run.strategy!r}: bucket plans are DDP's "
-                            "(a run with strategy = ddp)")
-        report = bucket_report(store, run, calibration)
+        report = bucket_report(store, store.get_run(run_ref), calibration)
     if as_json:
         print(json.dumps(report.to_dict()))
         return

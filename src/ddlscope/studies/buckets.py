@@ -19,6 +19,7 @@ from ddlscope.analysis.summary import summarize
 from ddlscope.calibrate.model import collective_fit, emulated_link, required
 from ddlscope.calibrate.profile import resolve_calibration
 from ddlscope.runtime.config import experiment_from_dict
+from ddlscope.specs import ConfigError
 from ddlscope.specs import bucketing as plans
 from ddlscope.specs.wire import WIRE_FACTORS
 from ddlscope.store import Run, Store
@@ -50,6 +51,9 @@ class BucketReport:
 
 def bucket_report(store: Store, run: Run, calibration: Path | None = None) -> BucketReport:
     exp = experiment_from_dict(run.config)
+    if "buckets" not in type(exp.strategy).model_fields:  # the strategies whose gradients go in DDP's buckets
+        raise ConfigError(f"run {run.id} uses strategy {exp.strategy.name!r}, which has no gradient buckets to plan "
+                          "(a strategy with a `buckets` knob: ddlscope strategies)")
     used, link, source = _planned_at_run(store, run)
     if used is None:
         layers = _layers_here(exp)
