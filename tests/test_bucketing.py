@@ -153,3 +153,22 @@ def test_localsgd_compressed_average_is_priced_at_half_the_bytes():
     assert half.step_s == pytest.approx(plain.step_s - (plain.exposed_comm_s - half.exposed_comm_s))
     with pytest.raises(ValueError, match="compression"):
         LocalSGDSpec(period=4, group_period=2, compression="fp16")
+
+
+def test_the_local_predictor_sends_the_hooks_bytes_over_the_emulated_link():
+    from test_predict_local import FACTS, PROFILE, _config
+
+    from ddlscope.predict.local import predict_local
+
+    emulated = {"network": {"emulated": True, "alpha_s": 5e-3, "bandwidth_bytes_per_s": 1e6}}
+
+    def comm_s(**knobs) -> float:
+        return predict_local(_config("ddp", **knobs), emulated, FACTS, PROFILE)["breakdown_s"]["comm_wait_s"]
+
+    plain, half = comm_s(), comm_s(comm_hook="bf16")
+    # 2 ranks: the all-reduce's wire bytes are its payload, so bf16 saves half the gradient's bytes at 1 MB/s
+    saved_s = FACTS["param_bytes"] / 2 / 1e6
+    assert plain - half == pytest.approx(saved_s, rel=0.05)
+    # top-k 10%: 20% of the bytes, all-gathered (1 message received at 2 ranks), plus its codec passes
+    topk = comm_s(comm_hook="topk", topk_ratio=0.1)
+    assert plain - topk == pytest.approx(FACTS["param_bytes"] * 0.8 / 1e6, rel=0.05)
