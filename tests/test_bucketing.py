@@ -1,12 +1,24 @@
 """MG-WFBP's bucket planner (specs/bucketing.py): optimal against a brute force over every split,
-the timeline's exact values, and the baselines it is compared with."""
+the timeline's exact values, and the baselines it is compared with. Then the estimators: DDP's bucket plans
+and compression hooks at cluster scale and on this machine, the slow-network knob advice, localsgd's
+compressed average."""
 
 import itertools
 import random
 
 import pytest
 
+from test_predict_local import FACTS, PROFILE, _config
+
+from ddlscope.predict.catalogue import make_cluster
+from ddlscope.predict.estimators import ClusterCase, estimator_for
+from ddlscope.predict.estimators.base import KNOB_NOTE_PREFIX
+from ddlscope.predict.estimators.ddp import cluster_plan
+from ddlscope.predict.local import predict_local
+from ddlscope.predict.strategies import ServerSpec, image_workload
 from ddlscope.specs.bucketing import AlphaBeta, Layer, optimal_plan, per_layer_plan, simulate, size_plan
+from ddlscope.specs.strategies.ddp import DDPSpec
+from ddlscope.specs.strategies.localsgd import LocalSGDSpec
 
 
 def _all_splits(n: int):
@@ -74,17 +86,16 @@ def test_negative_inputs_are_refused():
 
 
 # ---------------------------------------------------------------------------- the DDP estimator
-def _ddp_estimate(cluster_name: str = "a100-80gb", nodes: int = 4, **knobs):
-    from ddlscope.predict.catalogue import make_cluster
-    from ddlscope.predict.estimators import ClusterCase, estimator_for
-    from ddlscope.predict.estimators.ddp import cluster_plan
-    from ddlscope.predict.strategies import ServerSpec, image_workload
-    from ddlscope.specs.strategies.ddp import DDPSpec
+def _vgg16_case(cluster):
+    """VGG-16, 32 images a GPU, on `cluster`: a model whose gradients cost (138 M parameters)."""
+    return ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=cluster, stragglers=1.0,
+                       slowdowns=None, server=ServerSpec(), activation_bytes=1e9, weight_bytes_per_param=4.0,
+                       optimizer_bytes_per_param=8.0)
 
+
+def _ddp_estimate(cluster_name: str = "a100-80gb", nodes: int = 4, **knobs):
     spec = DDPSpec(**knobs)
-    case = ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=make_cluster(cluster_name, nodes, 8),
-                       stragglers=1.0, slowdowns=None, server=ServerSpec(), activation_bytes=1e9,
-                       weight_bytes_per_param=4.0, optimizer_bytes_per_param=8.0)
+    case = _vgg16_case(make_cluster(cluster_name, nodes, 8))
     plan = cluster_plan(spec, case) if spec.buckets != "size" else None
     return estimator_for(spec).cluster(spec, case), plan
 
@@ -116,16 +127,8 @@ def test_the_estimator_prices_compression_bytes_and_codec_compute():
 
 
 def test_on_a_slow_network_the_ddp_estimate_notes_what_compression_and_buckets_would_give():
-    from ddlscope.predict.catalogue import make_cluster
-    from ddlscope.predict.estimators import ClusterCase, estimator_for
-    from ddlscope.predict.estimators.base import KNOB_NOTE_PREFIX
-    from ddlscope.predict.strategies import ServerSpec, image_workload
-    from ddlscope.specs.strategies.ddp import DDPSpec
-
     def notes(cluster):
-        case = ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=cluster, stragglers=1.0,
-                           slowdowns=None, server=ServerSpec(), activation_bytes=1e9, weight_bytes_per_param=4.0,
-                           optimizer_bytes_per_param=8.0)
+        case = _vgg16_case(cluster)
         est = estimator_for(DDPSpec()).cluster(DDPSpec(), case)
         return est, [n for n in estimator_for(DDPSpec()).cluster_notes(DDPSpec(), case) if n.startswith(KNOB_NOTE_PREFIX)]
 
@@ -139,14 +142,7 @@ def test_on_a_slow_network_the_ddp_estimate_notes_what_compression_and_buckets_w
 
 
 def test_localsgd_compressed_average_is_priced_at_half_the_bytes():
-    from ddlscope.predict.catalogue import make_cluster
-    from ddlscope.predict.estimators import ClusterCase, estimator_for
-    from ddlscope.predict.strategies import ServerSpec, image_workload
-    from ddlscope.specs.strategies.localsgd import LocalSGDSpec
-
-    case = ClusterCase(workload=image_workload("vgg16", batch_per_worker=32), cluster=make_cluster("a10g", 4, 4),
-                       stragglers=1.0, slowdowns=None, server=ServerSpec(), activation_bytes=1e9,
-                       weight_bytes_per_param=4.0, optimizer_bytes_per_param=8.0)
+    case = _vgg16_case(make_cluster("a10g", 4, 4))
     plain = estimator_for(LocalSGDSpec(period=2)).cluster(LocalSGDSpec(period=2), case)
     half = estimator_for(LocalSGDSpec(period=2)).cluster(LocalSGDSpec(period=2, compression="bf16"), case)
     assert 0.45 < half.comm_s / plain.comm_s < 0.55  # bandwidth-bound: half the bytes, about half the time
@@ -156,10 +152,6 @@ def test_localsgd_compressed_average_is_priced_at_half_the_bytes():
 
 
 def test_the_local_predictor_sends_the_hooks_bytes_over_the_emulated_link():
-    from test_predict_local import FACTS, PROFILE, _config
-
-    from ddlscope.predict.local import predict_local
-
     emulated = {"network": {"emulated": True, "alpha_s": 5e-3, "bandwidth_bytes_per_s": 1e6}}
 
     def comm_s(world: int = 2, **knobs) -> float:
