@@ -9,7 +9,9 @@ momentum lowered for the staleness' implicit momentum (the main study's `mc`
 variant). The report gives per cell throughput, exposed communication, bytes
 per step, accuracy at equal samples and time to the target accuracy, the
 papers' claims against what was measured, and which strategy wins in which
-regime, with the numbers behind each verdict.
+regime, with the numbers behind each verdict. The full study also runs DDP with each
+gradient compression hook (slow network), localsgd's bf16 average, and DDP's bucket plans (one per
+layer, MG-WFBP) on both networks; --quick runs ddp+topk and ddp+mgwfbp on the slow one.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def ddp_knob_cells(quick: bool) -> list[Cell]:
 @STUDIES.register("dataparallel")
 class DataParallelStudy(Study):
     description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip vs DDP and async PS on fast/slow networks, "
-                   "with stragglers")
+                   "with stragglers; DDP's compression hooks and bucket plans")
     cell_columns = ("step ms", "samples/s", "accuracy", "to target s", "wall s", "staleness")
 
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
