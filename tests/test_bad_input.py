@@ -44,7 +44,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "lr-nan": (["run", "--set", "workload.lr=nan"], "workload.lr = nan"),
     "slowdown-inf": (["run", "--set", "cluster.slowdown=[1, inf]"], "cluster.slowdown"),
     "negative-bucket": (["run", "--set", "strategy.bucket_mb=-1"], "strategy.bucket_mb"),
-    "bad-comm-hook": (["run", "--set", "strategy.comm_hook=bf16"], "strategy.comm_hook"),
+    "bad-comm-hook": (["run", "--set", "strategy.comm_hook=int8"], "strategy.comm_hook"),
     "localsgd-period-zero": (["run", "--strategy", "localsgd", "--set", "strategy.period=0"], "strategy.period = 0"),
     "localsgd-group-period-not-below": (["run", "--strategy", "localsgd", "--set", "strategy.period=4", "--set",
                                          "strategy.group_period=4"], "group_period = 4"),
@@ -77,6 +77,15 @@ CASES: dict[str, tuple[list[str], str]] = {
                                            "--set", "strategy.schedule=interleaved"], "strategy.partition"),
     "pipeline-micro-batches-split": (["run", "--strategy", "pipeline", "--workload", "gpt-synthetic",
                                       "--set", "strategy.micro_batches=5"], "strategy.micro_batches"),
+    "ddp-topk-ratio-zero": (["run", "--strategy", "ddp", "--set", "strategy.topk_ratio=0"], "strategy.topk_ratio"),
+    "ddp-qsgd-levels-over-127": (["run", "--strategy", "ddp", "--set", "strategy.qsgd_levels=200"],
+                                 "strategy.qsgd_levels"),
+    "ddp-unknown-bucket-plan": (["run", "--strategy", "ddp", "--set", "strategy.buckets=optimal"], "strategy.buckets"),
+    "buckets-unknown-run": (["buckets", "42", "--db", "s.db"], "'42'"),
+    "localsgd-unknown-compression": (["run", "--strategy", "localsgd", "--set", "strategy.compression=int8"],
+                                     "strategy.compression"),
+    "localsgd-compressed-hierarchical": (["run", "--strategy", "localsgd", "--set", "strategy.group_period=2",
+                                          "--set", "strategy.compression=bf16"], "group_period"),
     "partition-bad-size": (["partition", "--workload", "gpt-synthetic", "--memory-limit", "lots"], "--memory-limit"),
     "partition-stages-over-blocks": (["partition", "--workload", "gpt-synthetic", "--stages", "3"], "--stages 3"),
     "pipeline-checkpoints": (["run", "--strategy", "pipeline", "--workload", "gpt-synthetic",
@@ -311,9 +320,9 @@ def test_docs_table_lists_every_case():
 
 
 def test_message_names_value_and_what_is_allowed(capsys):
-    assert main(["run", "--set", "strategy.comm_hook=bf16"]) == 2
+    assert main(["run", "--set", "strategy.comm_hook=int8"]) == 2
     err = capsys.readouterr().err
-    assert "'bf16'" in err and "fp16" in err and "powersgd" in err
+    assert "'int8'" in err and "fp16" in err and "powersgd" in err
     assert main(["run", "--strategy", "horovod"]) == 2
     err = capsys.readouterr().err
     assert "'horovod'" in err and "ddp" in err and "single" in err

@@ -39,6 +39,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # Hierarchical, with the group the whole (2-rank) world: every group_period steps, like localsgd-2.
     "hierarchical": {"strategy.name": "localsgd", "strategy.period": 4, "strategy.group_period": 2,
                      "strategy.group_size": 2},
+    # localsgd's compressed average (docs/compression.md): the change since the last average in 16 bits
+    "localsgd-3-bf16": {"strategy.name": "localsgd", "strategy.period": 3, "strategy.compression": "bf16"},
+    "localsgd-3-fp16": {"strategy.name": "localsgd", "strategy.period": 3, "strategy.compression": "fp16"},
 }
 
 
@@ -156,3 +159,14 @@ def test_phases_add_up_and_the_average_is_communication(trained):
     # An average is in flight some time; the blocking one shows as waiting.
     assert all(r["comm_s"] > 0 for r in rows["localsgd-3"] if r["bytes_sent"])
     assert all(r["comm_wait_s"] >= r["comm_s"] * 0.5 for r in rows["localsgd-3"] if r["bytes_sent"])
+
+
+# ---------------------------------------------------------------------------- localsgd's compressed average
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("label, at_most", [("localsgd-3-bf16", 1e-2), ("localsgd-3-fp16", 1e-3)])
+def test_a_compressed_average_is_close_to_the_fp32_one_at_half_the_bytes(trained, label: str, at_most: float):
+    models, rows = trained[0]["models"], trained[1]["rows"]
+    assert 0 < max_difference(models[label], models["localsgd-3"]) < at_most  # 16 bits of the change, not exact
+    assert max_difference(trained[0]["models"][label], trained[1]["models"][label]) < 1e-6  # one average for all
+    full = [r["bytes_sent"] for r in rows["localsgd-3"]]
+    assert [r["bytes_sent"] for r in rows[label]] == [b // 2 for b in full] and max(full) > 0

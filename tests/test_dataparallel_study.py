@@ -14,12 +14,20 @@ from ddlscope.studies.base import CellResult
 def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     study = STUDIES.get("dataparallel")()
     quick, full = study.cells(quick=True), study.cells(quick=False)
-    assert len(quick) == 8  # about 20 s each here: the quick study stays near 3 minutes
+    assert len(quick) == 10  # about 20 s each here: the quick study stays near 4 minutes
     strategies = {c.labels["strategy"] for c in full}
-    assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip"} == strategies
+    knobs = {f"ddp+{v}" for v in ("fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8", "per_layer", "mgwfbp")}
+    assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip",
+            "localsgd+bf16"} | knobs == strategies
+    assert {c.labels["strategy"] for c in quick} >= {"ddp+topk", "ddp+mgwfbp"}
     regimes = {(c.labels["network"], c.labels["workers"]) for c in full}
     assert regimes == {("fast", "homogeneous"), ("fast", "straggler"), ("slow", "homogeneous"), ("slow", "straggler")}
-    assert len({c.key for c in full}) == len(full) == 36
+    assert len({c.key for c in full}) == len(full) == 36 + 11  # + DDP's 6 hooks, 2 plans x 2 networks, localsgd bf16
+    by_key = {c.key: c.experiment.strategy for c in full}
+    assert by_key["ddp+topk/slow/homogeneous/w2"].comm_hook == "topk"
+    assert by_key["ddp+mgwfbp/fast/homogeneous/w2"].buckets == "mgwfbp"
+    assert by_key["localsgd+bf16/slow/homogeneous/w2"].compression == "bf16"
+    assert by_key["ddp/slow/homogeneous/w2"].comm_hook == "none" and by_key["ddp/slow/homogeneous/w2"].buckets == "size"
     assert len({c.experiment.workload.steps * c.experiment.workload.batch_size for c in full}) == 1
     compensated = next(c for c in quick if c.labels["strategy"] == "hpsgd+mc")
     plain = next(c for c in full if c.labels["strategy"] == "hpsgd")
@@ -87,3 +95,26 @@ def test_analysis_reads_claims_and_names_the_winner_of_each_regime_with_its_numb
     assert findings.decisions == [v for _, v in sorted(regimes.items(), key=lambda kv: kv[0].startswith("slow"))]
     table = "\n".join(findings.extra["table"])
     assert "diloco/slow/homogeneous" in table and "7.5" in table  # 150 KB / 20 per step
+
+
+def test_analysis_reads_compression_and_bucket_plans():
+    kb = 150_000.0
+    results = [
+        _result("ddp", "slow", "homogeneous", 0.040, 0.97, kb, 0.032),
+        _result("ddp+fp16", "slow", "homogeneous", 0.022, 0.97, kb / 2, 0.016),
+        _result("ddp+topk", "slow", "homogeneous", 0.014, 0.94, kb / 50, 0.005),
+        _result("ddp", "fast", "homogeneous", 0.010, 0.97, kb, 0.0047),
+        _result("ddp+per_layer", "fast", "homogeneous", 0.011, 0.97, kb, 0.0043),
+        _result("ddp+mgwfbp", "fast", "homogeneous", 0.0096, 0.97, kb, 0.0032),
+        _result("ddp+per_layer", "slow", "homogeneous", 0.037, 0.97, kb, 0.0280),
+        _result("ddp+mgwfbp", "slow", "homogeneous", 0.037, 0.97, kb, 0.0289),
+    ]
+    by_name = {h["headline"]: h for h in STUDIES.get("dataparallel")().analyse(results, quick=False).headlines}
+    compression = by_name["Gradient compression vs DDP"]
+    assert "fp16: 0.500x the bytes, step 0.55x" in compression["measured"]
+    assert "topk: 0.020x the bytes" in compression["measured"]
+    assert compression["verdict"] == "faster at DDP's accuracy (within 2 points): fp16"  # top-k lost 3 points
+    fast, slow = by_name["MG-WFBP buckets (fast network)"], by_name["MG-WFBP buckets (slow network)"]
+    assert "MG-WFBP 3.2 ms, 25 MB buckets 4.7 ms, one per layer 4.3 ms" in fast["measured"]
+    assert fast["verdict"].startswith("agrees")
+    assert slow["verdict"].startswith("a tie: ddp+per_layer")  # 28.9 against 28.0 ms: within 5%

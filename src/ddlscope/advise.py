@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.catalogue import GIB, Cluster, parse_cluster
 from ddlscope.predict.estimators import ClusterCase, estimator_for
+from ddlscope.predict.estimators.base import KNOB_NOTE_PREFIX
 from ddlscope.specs import ConfigError, Experiment, StrategySpec, strategy_specs
 
 # Among strategies this close in effective step time, the simpler one (Traits.simplicity) is preferred.
@@ -543,6 +544,7 @@ def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: Work
         reasons.append(f"Staleness: its statistical cost was not measured (no finished local runs of this workload "
                        f"with {asynchronous} and {sync.strategy} or {ddp.strategy} in the store); async step times "
                        f"are ranked as if an update were worth a synchronous one.")
+    reasons += [f"{r.strategy}'s {note}" for r in ranked for note in r.notes if note.startswith(KNOB_NOTE_PREFIX)]
     runner = next((r for r in ranked if r is not winner), None)
     framework = specs[winner.strategy].advice
     rec = (f"Recommendation: {winner.strategy} ({framework}): {_ms(winner.step_s)} per step, "

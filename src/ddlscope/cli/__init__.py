@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from ddlscope.cli import advise, calibrate, catalogue, partition, predict, report, run, slurm, study
+from ddlscope.cli import advise, buckets, calibrate, catalogue, partition, predict, report, run, slurm, study
 from ddlscope.cli.common import run_app
 
 __all__ = ["COMMANDS", "app", "main"]
@@ -43,6 +43,7 @@ COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("plan", predict.plan_command),
     ("advise", advise.advise_command),
     ("partition", partition.partition_command),
+    ("buckets", buckets.buckets_command),
     ("calibrate", calibrate.calibrate),
     ("predict-run", predict.predict_run),
 )

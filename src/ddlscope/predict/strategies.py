@@ -22,6 +22,7 @@ import numpy as np
 from ddlscope.predict import collectives as coll
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.specs import ConfigError
+from ddlscope.specs.strategies.ddp import QSGD_CHUNK, qsgd_code_bits
 
 
 @dataclass(frozen=True)
@@ -303,32 +304,41 @@ def local_sgd(workload: Workload, cluster: Cluster, period: int = 8, overlap: bo
 
 
 def compressed_ddp(workload: Workload, cluster: Cluster, method: str = "fp16", ratio: float = 0.01, rank: int = 4,
-                   bucket_mb: float = 25.0) -> StrategyEstimate:
+                   bucket_mb: float = 25.0, levels: int = 4) -> StrategyEstimate:
     """DDP with gradient compression: fewer bytes on the wire, some compute to encode/decode.
 
-    fp16: half the bytes, one pass over the gradients. top-k (ratio k/n):
+    fp16 / bf16: half the bytes, one pass over the gradients. top-k (ratio k/n):
     values + int32 indices, all-gathered (sparse sums do not add up in place),
     selection costs a few passes. PowerSGD (rank r, Vogels et al. 2019): each
     d x d gradient becomes two d x r factors, all-reduced, at 4 d^2 r FLOPs
-    per matrix.
+    per matrix. qsgd (s levels) and minmax8 (ByteGrad): codes of 2-8 bits per
+    entry, all-gathered, and every rank decodes all n messages (n passes over
+    the gradient): cheap on the wire, costly to decode at large n.
     """
     n, g = cluster.n_gpus, cluster.gpus_per_node
     dev = cluster.device
     mem_bw = dev.memory_bandwidth_bytes_per_s * dev.efficiency.memory_fraction
     p = workload.params
-    if method == "fp16":
+    if method in ("fp16", "bf16"):
         return ddp(workload, cluster, bucket_mb, grad_bytes_per_param=2.0, extra_compute_s=2 * 4 * p / mem_bw,
-                   name="ddp-fp16")
-    if method == "topk":
-        if not 0 < ratio <= 1:
+                   name=f"ddp-{method}")
+    if method in ("topk", "qsgd", "minmax8"):
+        if method == "topk" and not 0 < ratio <= 1:
             raise ConfigError(f"ratio = {ratio}: must be in (0, 1]")
-        base = ddp(workload, cluster, bucket_mb, grad_bytes_per_param=1e-12, name="ddp-topk")
-        gathered = n * ratio * p * 8.0  # every rank ends with everyone's (value, index) pairs
+        if method == "qsgd" and not 1 <= levels <= 127:
+            raise ConfigError(f"levels = {levels}: must be in 1..127")
+        bytes_per_param = {"topk": ratio * 8.0, "qsgd": qsgd_code_bits(levels) / 8 + 4 / QSGD_CHUNK,
+                           "minmax8": 1.0}[method]
+        encode_passes = {"topk": 4, "qsgd": 6, "minmax8": 4}[method]
+        base = ddp(workload, cluster, bucket_mb, grad_bytes_per_param=1e-12, name=f"ddp-{method}")
+        gathered = n * bytes_per_param * p  # every rank ends with everyone's messages
         comm = float(coll.all_gather_s(gathered, n, min(n, g), cluster.node))
-        select = 4 * 4 * p / mem_bw + n * ratio * p * 8.0 / mem_bw  # selection passes + scatter-add of what arrives
-        step = base.compute_s + select + comm  # selection needs the whole gradient: nothing overlaps
-        return _finish(StrategyEstimate("ddp-topk", n, step, base.compute_s + select, comm, comm, base.memory_bytes_per_gpu
-                                        + 4 * p, n * workload.batch_per_worker / step), workload, cluster)
+        # encode: a few passes over the fp32 gradient; decode: every rank reads all n messages and adds them
+        codec = encode_passes * 4 * p / mem_bw + n * (bytes_per_param + 8.0) * p / mem_bw
+        step = base.compute_s + codec + comm  # the encoders need whole buckets: modelled as not overlapping
+        return _finish(StrategyEstimate(f"ddp-{method}", n, step, base.compute_s + codec, comm, comm,
+                                        base.memory_bytes_per_gpu + 4 * p, n * workload.batch_per_worker / step),
+                       workload, cluster)
     if method == "powersgd":
         if rank < 1:
             raise ConfigError(f"rank = {rank}: must be >= 1")
@@ -337,4 +347,5 @@ def compressed_ddp(workload: Workload, cluster: Cluster, method: str = "fp16", r
         extra = 4 * side * side * rank * workload.layers / (dev.peak("fp32") * 0.5)
         return ddp(workload, cluster, bucket_mb, grad_bytes_per_param=factor_bytes_per_param, extra_compute_s=extra,
                    name=f"ddp-powersgd{rank}")
-    raise ConfigError(f"method = {method!r}: allowed: fp16, topk, powersgd")
+    raise ConfigError(f"method = {method!r}: allowed: fp16, bf16, topk, qsgd, minmax8, powersgd")
+

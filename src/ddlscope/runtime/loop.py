@@ -62,6 +62,8 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     spec = exp.workload
     device = ctx.device
     model = strategy.wrap(task.model.to(device))
+    for event, message in getattr(strategy, "setup_events", ()):  # what wrap decided (e.g. DDP's bucket plan)
+        writer.event(event, message)
     optimizer = make_optimizer(model, spec)
     strategy.attach(model, optimizer, task.loss_fn)
     strategy.use_task(task)

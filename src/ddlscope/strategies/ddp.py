@@ -3,24 +3,29 @@
 Every hook (including the default all-reduce) is wrapped in a timing hook, so
 the loop learns each bucket's launch and completion time and payload bytes,
 and can split backward into compute and exposed communication wait.
+Compression hooks live in strategies/compression.py; bucket plans (one per
+layer, MG-WFBP) in strategies/bucketing.py and specs/bucketing.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import logging
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from ddlscope.specs import bucketing as plans
 from ddlscope.specs.strategies.ddp import DDPSpec
 from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import Strategy
-from ddlscope.strategies.comm import CommRecorder
+from ddlscope.strategies.bucketing import (
+    bucket_caps_mb, gradient_layers, link_alpha_beta, probe_alpha_beta, same_on_every_rank)
+from ddlscope.strategies.compression import compression_hook, timed_hook
+from ddlscope.workloads import WORKLOADS
 
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+log = logging.getLogger(__name__)
 
 
 @RUNTIMES.register(DDPSpec)
@@ -29,62 +34,41 @@ class DDP(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         on_cuda = self.ctx.device.type == "cuda"
+        self.bucket_plan, self.bucket_link = self._bucket_plan(model)
+        buckets: dict[str, Any] = {"bucket_cap_mb": self.spec.bucket_mb}
+        self.setup_events: list[tuple[str, str]] = []
+        if self.bucket_plan is not None:
+            self.setup_events.append((plans.PLAN_EVENT, plans.plan_to_json(self.bucket_plan, self.bucket_link)))
+            buckets = {"bucket_cap_mb_list": bucket_caps_mb(self.bucket_plan.bucket_bytes())}
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.ctx.device.index] if on_cuda else None,
-            bucket_cap_mb=self.spec.bucket_mb,
             gradient_as_bucket_view=self.spec.gradient_as_bucket_view,
             static_graph=self.spec.static_graph,
+            **buckets,
         )
-        state, hook, payload_bytes = self._hook()
-        ddp.register_comm_hook(state, timed_hook(hook, payload_bytes, self.comm))
+        spec = self.spec
+        chosen = compression_hook(spec.comm_hook, powersgd_rank=spec.powersgd_rank,
+                                  powersgd_start_iter=spec.powersgd_start_iter, topk_ratio=spec.topk_ratio,
+                                  qsgd_levels=spec.qsgd_levels, seed=self.ctx.experiment.seed * 1000 + self.ctx.rank,
+                                  serialise_buckets=self.ctx.backend == "gloo")
+        ddp.register_comm_hook(chosen.state, timed_hook(chosen.hook, chosen.payload_bytes, self.comm, chosen.kind))
         return ddp
 
-    def _hook(self) -> tuple[Any, Hook, Callable[[Any, dist.GradBucket], int]]:
-        if self.spec.comm_hook == "fp16":
-            return None, default_hooks.fp16_compress_hook, lambda _s, b: b.buffer().numel() * 2
-        if self.spec.comm_hook == "powersgd":
-            state = powerSGD_hook.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=self.spec.powersgd_rank,
-                start_powerSGD_iter=self.spec.powersgd_start_iter,
-            )
-            return state, powerSGD_hook.powerSGD_hook, _powersgd_payload_bytes
-        return None, default_hooks.allreduce_hook, bucket_bytes
-
-
-def bucket_bytes(_state: Any, bucket: dist.GradBucket) -> int:
-    """What a plain all-reduce of the bucket sends."""
-    return bucket.buffer().numel() * bucket.buffer().element_size()
-
-
-def timed_hook(hook: Hook, payload_bytes: Callable[[Any, dist.GradBucket], int], recorder: CommRecorder) -> Hook:
-    # No annotations on the hook's parameters: DDP rejects a `bucket` annotation
-    # that is not the GradBucket class itself, and postponed annotations are strings.
-    def hook_with_timing(state, bucket):  # type: ignore[no-untyped-def]
-        pending = recorder.launched(payload_bytes(state, bucket), "all_reduce")
-        return recorder.complete_future(hook(state, bucket), pending)
-
-    return hook_with_timing
-
-
-def _powersgd_payload_bytes(state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket) -> int:
-    """Bytes PowerSGD all-reduces for this bucket, mirroring torch's own choice.
-
-    Before start_powerSGD_iter the hook runs a plain all-reduce. After it,
-    matrices worth compressing send their P and Q factors ((rows + cols) x
-    rank), everything else (biases, small matrices) goes uncompressed.
-    """
-    element_bytes = bucket.buffer().element_size()
-    if state.iter < state.start_powerSGD_iter:
-        return bucket.buffer().numel() * element_bytes
-    total = 0
-    for grad in bucket.gradients():
-        if grad.ndim > 1:
-            rows, cols = grad.shape[0], grad.numel() // grad.shape[0]
-            worth, full, compressed = powerSGD_hook._should_compress(
-                rows, cols, state.matrix_approximation_rank, state.min_compression_rate)
-            total += compressed if worth else full
-        else:
-            total += grad.numel()
-    return total * element_bytes
+    def _bucket_plan(self, model: nn.Module) -> tuple[plans.BucketPlan | None, plans.AlphaBeta | None]:
+        """The spec's plan over measured layers (rank 0's, on every rank), or None for DDP's size buckets."""
+        if self.spec.buckets == "size":
+            return None, None
+        link = (link_alpha_beta(self.ctx.link, self.ctx.workers) if self.ctx.link is not None
+                else probe_alpha_beta())  # a collective: every rank probes
+        plan = None
+        if self.ctx.rank == 0:  # rank 0's layer times decide; the others wait for its plan
+            exp = self.ctx.experiment
+            task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+            x, y = task.train.get(torch.arange(exp.per_rank_batch()) % max(len(task.train), 1))  # the first batch
+            layers = gradient_layers(model, task.loss_fn, x.to(self.ctx.device), y.to(self.ctx.device))
+            plan = (plans.optimal_plan(layers, link) if self.spec.buckets == "mgwfbp"
+                    else plans.per_layer_plan(layers, link))
+        plan, link = same_on_every_rank((plan, link))
+        log.info("bucket plan %s: %d buckets, predicted exposed %.4f s", plan.name, len(plan.buckets), plan.exposed_s)
+        return plan, link

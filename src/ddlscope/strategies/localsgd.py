@@ -16,6 +16,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
@@ -27,7 +28,7 @@ from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.averaging import (
     InFlightAverage, ReplicatedModel, flat_parameters, load_flat_parameters, parameter_bytes)
 from ddlscope.strategies.base import Batch, StepTimer
-from ddlscope.strategies.ddp import Hook, bucket_bytes, timed_hook
+from ddlscope.strategies.compression import Hook, bucket_bytes, timed_hook
 
 
 class ModelAveraging(ReplicatedModel):
@@ -92,6 +93,10 @@ class LocalSGD(ModelAveraging):
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any) -> None:
         super().attach(model, optimizer, loss_fn)
         self.averager = self._averager()
+        self.compressed: CompressedAverage | None = None
+        if self.spec.compression != "none":
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[self.spec.compression]
+            self.compressed = CompressedAverage(flat_parameters(model), dtype, self.comm, self.group)
 
     def _averager(self) -> ModelAverager:
         spec = self.spec
@@ -107,6 +112,9 @@ class LocalSGD(ModelAveraging):
 
     def average(self, step: int) -> None:
         assert self.model is not None
+        if self.compressed is not None:
+            self._average_compressed(step)
+            return
         who = self.spec.averages_after(step)
         self.averager.step = step  # torch's averager counts steps itself; keep it on ours (restarts)
         if who is None:
@@ -121,6 +129,43 @@ class LocalSGD(ModelAveraging):
 
     def after_global_average(self) -> None:
         """What follows an average across all ranks (DiLoCo's outer step)."""
+
+    def _average_compressed(self, step: int) -> None:
+        assert self.model is not None and self.compressed is not None
+        if step < self.spec.warmup_steps:  # DDP's warm-up keeps the models equal: the anchor follows them
+            self.compressed.anchor = flat_parameters(self.model)
+            return
+        if self.spec.averages_after(step) == "all":
+            load_flat_parameters(self.model, self.compressed.average(flat_parameters(self.model)))
+            self.after_global_average()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        state = super().checkpoint_state()
+        if self.compressed is not None:
+            state["average_anchor"] = self.compressed.anchor.clone()
+        return state
+
+    def restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().restore_checkpoint_state(state)
+        if self.compressed is not None and "average_anchor" in state:
+            self.compressed.anchor = state["average_anchor"].clone()
+
+
+class CompressedAverage:
+    """A model average sent in 16 bits: each rank all-reduces its change since the last average (equal on
+    every rank, the anchor), cast to fp16/bf16 and divided by the group size; the average is anchor + the
+    mean change. Changes are small beside the weights, so 16 bits lose far less than casting the weights."""
+
+    def __init__(self, anchor: torch.Tensor, dtype: torch.dtype, comm: Any, group: Any):
+        self.anchor, self.dtype, self.comm, self.group = anchor, dtype, comm, group
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor:
+        change = (flat - self.anchor).to(self.dtype).div_(dist.get_world_size(self.group))
+        pending = self.comm.launched(change.numel() * change.element_size(), "all_reduce")
+        dist.all_reduce(change, group=self.group)
+        self.comm.completed(pending)
+        self.anchor = self.anchor + change.to(flat.dtype)
+        return self.anchor.clone()
 
 
 @RUNTIMES.register(DiLoCoSpec)

@@ -9,7 +9,9 @@ momentum lowered for the staleness' implicit momentum (the main study's `mc`
 variant). The report gives per cell throughput, exposed communication, bytes
 per step, accuracy at equal samples and time to the target accuracy, the
 papers' claims against what was measured, and which strategy wins in which
-regime, with the numbers behind each verdict.
+regime, with the numbers behind each verdict. The full study also runs DDP with each
+gradient compression hook (slow network), localsgd's bf16 average, and DDP's bucket plans (one per
+layer, MG-WFBP) on both networks; --quick runs ddp+topk and ddp+mgwfbp on the slow one.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.studies import STUDIES
-from ddlscope.studies.base import Cell, CellResult, Findings, Study, measurement_notes, median_or_none
+from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes, median_or_none
 from ddlscope.studies.paper import (
     ACCURACY_SETTINGS, MOMENTUM_COMPENSATED, NETWORKS, QUICK_WORKERS, accuracy_cell, repeated)
 
@@ -35,13 +38,49 @@ REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homo
 
 def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
     strategy, _, variant = name.partition("+")
+    if (strategy, variant) in KNOB_CELLS:
+        return knob_cell(strategy, variant, network, world)
     return accuracy_cell(SETTING, strategy, network, workers, world, variant)
+
+
+# --- DDP's gradient compression and bucket plans (strategies/compression.py, specs/bucketing.py) -----------
+# "ddp+<variant>": DDP with these knobs. Compression is studied on the slow network, where bytes cost;
+# bucket plans (MG-WFBP's optimal merge against one bucket per layer; plain ddp is DDP's 25 MB buckets)
+# on both networks.
+COMPRESSION_KNOBS: dict[str, dict[str, object]] = {
+    "fp16": {"comm_hook": "fp16"}, "bf16": {"comm_hook": "bf16"},
+    "powersgd": {"comm_hook": "powersgd", "powersgd_rank": 2},
+    "topk": {"comm_hook": "topk", "topk_ratio": 0.01}, "qsgd": {"comm_hook": "qsgd", "qsgd_levels": 4},
+    "minmax8": {"comm_hook": "minmax8"}}
+BUCKET_KNOBS: dict[str, dict[str, object]] = {"per_layer": {"buckets": "per_layer"}, "mgwfbp": {"buckets": "mgwfbp"}}
+# localsgd's compressed average: each model's change since the last average in bf16.
+KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
+    **{("ddp", v): knobs for v, knobs in {**COMPRESSION_KNOBS, **BUCKET_KNOBS}.items()},
+    ("localsgd", "bf16"): {"compression": "bf16"}}
+QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")
+TIE_FRACTION = 0.05  # exposed communication this close is one run's noise on a shared machine  # the quick study's two: on the slow network
+
+
+def knob_cell(strategy: str, variant: str, network: str, world: int = QUICK_WORKERS) -> Cell:
+    """The strategy's accuracy cell with the knobs of `variant` (a compression hook, a bucket plan)."""
+    base = accuracy_cell(SETTING, strategy, network, "homogeneous", world, variant)
+    raw = experiment_to_dict(base.experiment)
+    raw["strategy"] = {**raw["strategy"], **KNOB_CELLS[(strategy, variant)]}
+    return build_cell(base.key, base.labels, raw)
+
+
+def ddp_knob_cells(quick: bool) -> list[Cell]:
+    if quick:
+        return [cell(name, "slow", "homogeneous") for name in QUICK_KNOB_CELLS]
+    return ([cell(f"ddp+{v}", "slow", "homogeneous") for v in COMPRESSION_KNOBS]
+            + [cell(f"ddp+{v}", network, "homogeneous") for network in NETWORKS for v in BUCKET_KNOBS]
+            + [cell("localsgd+bf16", "slow", "homogeneous")])
 
 
 @STUDIES.register("dataparallel")
 class DataParallelStudy(Study):
     description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip vs DDP and async PS on fast/slow networks, "
-                   "with stragglers")
+                   "with stragglers; DDP's compression hooks and bucket plans")
     cell_columns = ("step ms", "samples/s", "accuracy", "to target s", "wall s", "staleness")
 
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
@@ -53,6 +92,7 @@ class DataParallelStudy(Study):
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
+        cells += ddp_knob_cells(quick)
         return cells + repeated(SETTING, cells, repeats)
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
@@ -87,7 +127,8 @@ class _Analysis:
         return self.cells.get((strategy, network, workers))
 
     def findings(self) -> Findings:
-        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco()) if h]
+        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco(),
+                                 self._compression(), self._buckets("fast"), self._buckets("slow")) if h]
         regimes = self._regimes()
         decisions = [line for _, line in regimes]
         table = self._table()
@@ -201,6 +242,47 @@ class _Analysis:
                    else "partly: far less communication, but accuracy fell by more than 2 points")
         return {"headline": "DiLoCo", "paper": "hundreds of times less communication at similar quality (outer "
                 "Nesterov momentum, Douillard et al. 2023)", "measured": measured, "verdict": verdict}
+
+    def _compression(self) -> dict[str, str] | None:
+        ddp = self.get("ddp", "slow")
+        hooks = [(v, m) for v in COMPRESSION_KNOBS if (m := self.get(f"ddp+{v}", "slow"))]
+        local, local_bf16 = self.get("localsgd", "slow"), self.get("localsgd+bf16", "slow")
+        if not ddp or not hooks or not ddp.bytes_per_step or not ddp.step_s:
+            return None
+        parts = [f"{v}: {(m.bytes_per_step or math.nan) / ddp.bytes_per_step:.3f}x the bytes, step "
+                 f"{(m.step_s or math.nan) / ddp.step_s:.2f}x, exposed {_ms(m.exposed_comm_s)}, accuracy "
+                 f"{_pct(m.accuracy)}, to target {_s(m.to_target_s)}" for v, m in hooks]
+        measured = (f"slow network, against DDP ({_kb(ddp.bytes_per_step)} and {_ms(ddp.step_s)} a step, exposed "
+                    f"{_ms(ddp.exposed_comm_s)}, accuracy {_pct(ddp.accuracy)}): " + "; ".join(parts))
+        faster = [v for v, m in hooks if (m.step_s or math.inf) < ddp.step_s
+                  and (m.accuracy or 0) >= (ddp.accuracy or 0) - 0.02]
+        if local and local_bf16 and local.bytes_per_step and local.step_s:
+            measured += (f"; localsgd's bf16 average: {(local_bf16.bytes_per_step or math.nan) / local.bytes_per_step:.3f}x "
+                         f"local SGD's bytes, step {(local_bf16.step_s or math.nan) / local.step_s:.2f}x, accuracy "
+                         f"{_pct(local_bf16.accuracy)} vs {_pct(local.accuracy)}")
+        verdict = (f"faster at DDP's accuracy (within 2 points): {', '.join(faster)}" if faster
+                   else "no hook was faster at DDP's accuracy here")
+        return {"headline": "Gradient compression vs DDP", "paper": "fp16/bf16 halve the bytes, PowerSGD, top-k "
+                "with error feedback, QSGD and 8-bit quantisation cut them further at little accuracy cost",
+                "measured": measured, "verdict": verdict}
+
+    def _buckets(self, network: str) -> dict[str, str] | None:
+        size, per_layer, optimal = (self.get(n, network) for n in ("ddp", "ddp+per_layer", "ddp+mgwfbp"))
+        if not size or not per_layer or not optimal:
+            return None
+        measured = (f"{network} network, exposed communication a step: MG-WFBP {_ms(optimal.exposed_comm_s)}, "
+                    f"25 MB buckets {_ms(size.exposed_comm_s)}, one per layer {_ms(per_layer.exposed_comm_s)}; step "
+                    f"{_ms(optimal.step_s)} / {_ms(size.step_s)} / {_ms(per_layer.step_s)}")
+        best = min((optimal, size, per_layer), key=lambda m: m.exposed_comm_s if m.exposed_comm_s is not None
+                   else math.inf)
+        within = (optimal.exposed_comm_s or math.inf) <= (best.exposed_comm_s or 0) * (1 + TIE_FRACTION)
+        verdict = ("agrees: the optimal merge exposed the least" if best is optimal
+                   else f"a tie: {best.strategy} exposed less, by under {TIE_FRACTION:.0%}" if within
+                   else f"differs: {best.strategy} exposed less here (the plan's layer times are one rank's, "
+                        "timed alone; see `ddlscope buckets RUN` for its prediction)")
+        return {"headline": f"MG-WFBP buckets ({network} network)", "paper": "merging layer gradients optimally "
+                "under the alpha-beta model hides more communication than per-layer or fixed-size buckets "
+                "(PAPERS.md item 12)", "measured": measured, "verdict": verdict}
 
     # -- which strategy wins where ------------------------------------------------
     def _regimes(self) -> list[tuple[str, str]]:

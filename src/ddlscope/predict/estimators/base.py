@@ -75,6 +75,11 @@ class LocalStep:
     zero_grad_s: float
 
 
+# A cluster note that starts with this is a knob advice (e.g. DDP's compression hooks and bucket plans on a
+# slow network): advise lifts it into its reasons, whatever the strategy.
+KNOB_NOTE_PREFIX = "knobs: "
+
+
 class Estimator:
     """A strategy's predictor. Subclasses implement `cluster`, `cluster_memory` and `local_comm`;
     the other methods have the defaults of a data-parallel strategy that replicates the model."""

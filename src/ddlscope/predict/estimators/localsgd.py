@@ -43,9 +43,10 @@ def extra_copies_bytes(case: ClusterCase, copies: float) -> float:
     return copies * case.workload.params * case.weight_bytes_per_param
 
 
-def local_model_all_reduce_s(case: LocalCase, step: LocalStep) -> tuple[float, float]:
-    """(the all-reduce of the flat model, flattening and copying it back) on this machine."""
-    all_reduce_s = message_s(case.profile, "all_reduce", case.param_bytes, case.world, case.link)
+def local_model_all_reduce_s(case: LocalCase, step: LocalStep, fraction: float = 1.0) -> tuple[float, float]:
+    """(the all-reduce of the flat model, `fraction` of its bytes on the wire; flattening and copying it back)
+    on this machine."""
+    all_reduce_s = message_s(case.profile, "all_reduce", case.param_bytes * fraction, case.world, case.link)
     copies_s = 2 * case.param_bytes / case.memory_bandwidth_bytes_per_s * step.stretch
     return all_reduce_s, copies_s
 
@@ -62,9 +63,14 @@ class ModelAveragingEstimator(Estimator):
         """Whether the average hides behind the next round's compute (CoCoD)."""
         return False
 
+    def average_fraction(self, spec: ModelAveragingSpec) -> float:
+        """The average's bytes against an fp32 model (localsgd's compression knob)."""
+        return 1.0
+
     def cluster(self, spec: ModelAveragingSpec, case: ClusterCase) -> pst.StrategyEstimate:
         est = pst.local_sgd(case.workload, case.cluster, period=spec.period, overlap=self.overlaps(spec))
         est.strategy = spec.name
+        est = _compressed_average(est, case, self.average_fraction(spec))
         est = self._group_average(spec, case, est)
         return straggler_bound(est, case)
 
@@ -76,7 +82,7 @@ class ModelAveragingEstimator(Estimator):
         return case.replicated_state_bytes + case.activation_bytes + extra_copies_bytes(case, self.copies), None
 
     def local_comm(self, spec: ModelAveragingSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        all_reduce_s, copies_s = local_model_all_reduce_s(case, step)
+        all_reduce_s, copies_s = local_model_all_reduce_s(case, step, self.average_fraction(spec))
         exposed_s = all_reduce_s
         if self.overlaps(spec):
             round_compute_s = spec.period * (step.forward_s + step.backward_s + step.zero_grad_s)
@@ -89,8 +95,25 @@ class ModelAveragingEstimator(Estimator):
         return comm
 
 
+def _compressed_average(est: pst.StrategyEstimate, case: ClusterCase, fraction: float) -> pst.StrategyEstimate:
+    """The estimate with the model average's all-reduce at `fraction` of its fp32 bytes (and two casts)."""
+    if fraction == 1.0:
+        return est
+    n, g, node = case.cluster.n_gpus, case.cluster.gpus_per_node, case.cluster.node
+    full_bytes = case.workload.params * 4.0
+    ratio = float(coll.all_reduce_s(full_bytes * fraction, n, min(n, g), node) / coll.all_reduce_s(full_bytes, n,
+                                                                                                 min(n, g), node))
+    step = est.step_s - est.exposed_comm_s * (1 - ratio)
+    scale = est.step_s / step
+    return replace(est, step_s=step, comm_s=est.comm_s * ratio, exposed_comm_s=est.exposed_comm_s * ratio,
+                   samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
+                   scaling_efficiency=est.scaling_efficiency * scale)
+
+
 @ESTIMATORS.register(LocalSGDSpec)
 class LocalSGDEstimator(ModelAveragingEstimator):
+    def average_fraction(self, spec: LocalSGDSpec) -> float:  # type: ignore[override]
+        return 0.5 if spec.compression != "none" else 1.0
     def _group_average(self, spec: LocalSGDSpec, case: ClusterCase,
                        est: pst.StrategyEstimate) -> pst.StrategyEstimate:
         """Within-group averages every group_period steps, on the links inside a node."""

@@ -56,12 +56,19 @@ class LocalSGDSpec(ModelAveragingSpec):
     group_period: int = Field(0, ge=0, description="hierarchical averaging: average within groups of `group_size` "
                                                    "ranks every this many steps (0: off; below `period`)")
     group_size: int = Field(0, ge=0, description="ranks per group for `group_period` (0: the ranks of one node)")
+    # --- compression of the model average (strategies/localsgd.py: CompressedAverage)
+    compression: Literal["none", "fp16", "bf16"] = Field(
+        "none", description="none (torch's averagers, fp32), fp16 / bf16: all-reduce each model's change since "
+                            "the last average in 16 bits (half the bytes); not with group_period")
 
     @model_validator(mode="after")
     def _group_below_period(self) -> "LocalSGDSpec":
         if self.group_period and self.group_period >= self.period:
             raise ValueError(f"group_period = {self.group_period}: must be below period = {self.period} "
                              "(the across-ranks average is the rarer one)")
+        if self.group_period and self.compression != "none":
+            raise ValueError(f"compression = {self.compression!r}: not with hierarchical averaging "
+                             f"(group_period = {self.group_period}); use one or the other")
         return self
 
     def averages_after(self, step: int) -> Literal["all", "group"] | None:
