@@ -239,3 +239,17 @@ def test_context_parallel_of_three_prices_a_third_of_the_tokens_exactly():
     cp3, _ = _one(model, cluster, cp=3, dp=2, micro_batch=3)
     cp1, _ = _one(model, cluster, cp=1, dp=6, micro_batch=1)
     assert float(cp3["compute_s"][0]) == pytest.approx(float(cp1["compute_s"][0]), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- gradient accumulation
+def test_every_micro_batch_adds_its_gradients_into_the_buffer():
+    """6 bytes per parameter per micro-batch (read the fresh 16-bit gradient, read and write the buffer),
+    on the whole replica at ZeRO 0 and on the rank's 1/dp shard at ZeRO 3."""
+    model = ModelSpec(hidden=2048, heads=16, layers=8, seq=2048, vocab=51200, global_batch=64)
+    cluster = parse_cluster("a100-80gb:1x8")
+    bw = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.efficiency.memory_fraction
+    ddp = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=0), cluster)
+    assert ddp.micro_batches == 4
+    assert ddp.breakdown_s["grad_accumulation"] == pytest.approx(4 * 6 * model.params / bw, rel=1e-9)
+    fsdp = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=3), cluster)
+    assert fsdp.breakdown_s["grad_accumulation"] == pytest.approx(4 * 6 * model.params / 8 / bw, rel=1e-9)

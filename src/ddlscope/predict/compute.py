@@ -316,3 +316,15 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 
 def optimizer_step_s(owned_params, device: Device):
     return memory_bound_s(OPTIMIZER_BYTES_PER_PARAM * np.asarray(owned_params, dtype=float), device)
+
+
+# Gradient accumulation, once per micro-batch per parameter whose gradient the rank accumulates: the
+# backward's fresh 16-bit weight gradient is added into the accumulation buffer (Megatron-LM's local DDP:
+# `param.main_grad.add_(param.grad)` in its backward hook; PyTorch's AccumulateGrad; DeepSpeed's
+# pipeline engine): read the new gradient (2 bytes), read and write the 2-byte buffer (first principles).
+GRAD_ACCUMULATION_BYTES_PER_PARAM = 6
+
+
+def gradient_accumulation_s(accumulated_params, device: Device):
+    """Memory-bound pass that adds one micro-batch's weight gradients into the step's gradient buffer."""
+    return memory_bound_s(GRAD_ACCUMULATION_BYTES_PER_PARAM * np.asarray(accumulated_params, dtype=float), device)

@@ -337,9 +337,15 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
                                  c.bucket_mb)
     last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, last_compute_f, last_compute_b, c.bucket_mb)
 
+    # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard)
+    accumulated = lambda params: compute.gradient_accumulation_s(  # noqa: E731
+        params / np.where(x.zero >= 2, _data_group(cluster, x)[0], 1.0), dev)
+    first_accumulate = accumulated(first_params + experts_here)
+    last_accumulate = accumulated(last_params + experts_here)
+
     stage_comm = stage_tp + stage_ep + stage_cp + p2p_mb
-    first_stage = first_compute_f + first_compute_b + stage_comm + first_zero
-    last_stage = last_compute_f + last_compute_b + stage_comm + last_zero
+    first_stage = first_compute_f + first_compute_b + stage_comm + first_zero + first_accumulate
+    last_stage = last_compute_f + last_compute_b + stage_comm + last_zero + last_accumulate
     last_is_slowest = last_stage > first_stage
     t_stage = np.maximum(first_stage, last_stage)
     slowest = lambda first, last: np.where(last_is_slowest, last, first)  # noqa: E731
@@ -396,6 +402,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
         "cp_comm_s": m * stage_cp,
         "pp_p2p_s": m * p2p_mb,
         "zero_comm_s": m * slowest(first_zero, last_zero),
+        "grad_accumulation_s": m * slowest(first_accumulate, last_accumulate),
         "bubble_s": bubble_s,
         "dp_sync_s": dp_sync_s,
         "optimizer_s": optimizer_s,
@@ -415,4 +422,4 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
 
 
 BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s", "embedding_sync_s",
-                  "bubble_s", "optimizer_s")
+                  "bubble_s", "optimizer_s", "grad_accumulation_s")
