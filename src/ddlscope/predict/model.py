@@ -255,11 +255,15 @@ def _zero_in_step_s(cluster: Cluster, x: _Shape, params, compute_f, compute_b, b
     scatter = coll.reduce_scatter_s(shard_bytes, group, local, node)
     # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
     # except the first unit's; backward gathers again and reduce-scatters gradients.
+    # Each overlapped collective also holds NCCL's SMs while the compute beside it runs (sm_contention_s).
+    sms = cluster.device.efficiency.sms
     stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
-              + np.maximum(gather + scatter - compute_b, 0.0))
+              + np.maximum(gather + scatter - compute_b, 0.0)
+              + coll.sm_contention_s(gather, compute_f, sms) + coll.sm_contention_s(gather + scatter, compute_b, sms))
     # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
     latency = coll.reduce_scatter_s(0.0, group, local, node)
-    stage2 = coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
+    stage2 = (coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
+              + coll.sm_contention_s(scatter, compute_b, sms))
     return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
 
 
@@ -274,8 +278,9 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: Co
     if c.overlap_grad_reduce:  # buckets go out while the last micro-batch's backward runs
         latency = np.where(x.zero == 0, coll.all_reduce_s(0.0, group, local, node),
                            coll.reduce_scatter_s(0.0, group, local, node))
-        reduce = coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
-                                                 backward_s)
+        reduce = (coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
+                                                  backward_s)
+                  + coll.sm_contention_s(reduce, backward_s, cluster.device.efficiency.sms))
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
 
 
