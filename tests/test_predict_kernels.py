@@ -253,6 +253,9 @@ def test_every_micro_batch_adds_its_gradients_into_the_buffer():
     assert ddp.breakdown_s["grad_accumulation"] == pytest.approx(4 * 6 * model.params / bw, rel=1e-9)
     fsdp = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=3), cluster)
     assert fsdp.breakdown_s["grad_accumulation"] == pytest.approx(4 * 6 * model.params / 8 / bw, rel=1e-9)
+    fused = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=0, fused_grad_accumulation=True), cluster)
+    assert fused.breakdown_s["grad_accumulation"] == 0.0  # the weight-gradient GEMM accumulates itself
+    assert fused.step_time_s == pytest.approx(ddp.step_time_s - ddp.breakdown_s["grad_accumulation"], rel=1e-9)
 
 
 # ---------------------------------------------------------------------------- NCCL's SMs during overlap

@@ -52,6 +52,7 @@ class ConfigArrays:
     schedule: np.ndarray
     overlap_grad_reduce: bool = True
     bucket_mb: float = 25.0
+    fused_grad_accumulation: bool = False
     cp: np.ndarray | None = None  # None: 1 everywhere
     ep: np.ndarray | None = None
 
@@ -71,6 +72,7 @@ class ConfigArrays:
                    sequence_parallel=col(lambda s: bool(s.sequence_parallel)),
                    interleave=col(lambda s: s.interleave), schedule=col(lambda s: SCHEDULE_CODES[s.schedule]),
                    overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
+                   fused_grad_accumulation=first.fused_grad_accumulation,
                    cp=col(lambda s: s.cp), ep=col(lambda s: s.ep))
 
     def __len__(self) -> int:
@@ -90,7 +92,8 @@ class ConfigArrays:
                             micro_batch=int(self.micro_batch[i]), zero=int(self.zero[i]), recompute=recompute,
                             sequence_parallel=bool(self.sequence_parallel[i]), interleave=int(self.interleave[i]),
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
-                            bucket_mb=self.bucket_mb, cp=int(self.cp[i]), ep=int(self.ep[i]))
+                            bucket_mb=self.bucket_mb, fused_grad_accumulation=self.fused_grad_accumulation,
+                            cp=int(self.cp[i]), ep=int(self.ep[i]))
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
@@ -342,8 +345,10 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
                                  c.bucket_mb)
     last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, last_compute_f, last_compute_b, c.bucket_mb)
 
-    # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard)
-    accumulated = lambda params: compute.gradient_accumulation_s(  # noqa: E731
+    # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
+    # unless the weight-gradient GEMM accumulates into it itself (its C operand, inside the GEMM's roofline)
+    unfused = 0.0 if c.fused_grad_accumulation else 1.0
+    accumulated = lambda params: unfused * compute.gradient_accumulation_s(  # noqa: E731
         params / np.where(x.zero >= 2, _data_group(cluster, x)[0], 1.0), dev)
     first_accumulate = accumulated(first_params + experts_here)
     last_accumulate = accumulated(last_params + experts_here)
@@ -426,5 +431,5 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     }
 
 
-BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s", "embedding_sync_s",
-                  "bubble_s", "optimizer_s", "grad_accumulation_s")
+BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s",
+                  "embedding_sync_s", "bubble_s", "optimizer_s", "grad_accumulation_s")
