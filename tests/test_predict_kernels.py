@@ -273,3 +273,18 @@ def test_an_overlapped_collective_takes_its_channels_sms_from_the_compute_beside
     # per micro-batch: forward overlaps the gather, backward the gather + scatter (26 GB of bf16 weights, 7/8 of
     # it over NVLink each way): a few percent of a ~0.5 s micro-batch
     assert 0.020 < (with_channels - without) / 4 < 0.026
+
+
+def test_unfused_attention_pays_megatrons_layout_copies(monkeypatch):
+    """Forward: the context permute-copy (4 bytes per element of b s h/tp); backward: its gradient and the
+    cat of the q, k, v gradients (16)."""
+    a100 = load_catalogue().devices["a100-80gb"]
+    model = ModelSpec(hidden=4096, heads=32, layers=1, seq=2048, vocab=1, global_batch=1, attention="unfused")
+    forward, backward = compute.attention_core_times_s(model, 2, 4, a100, 312e12)
+    monkeypatch.setattr(compute, "UNFUSED_LAYOUT_BYTES_FORWARD", 0)
+    monkeypatch.setattr(compute, "UNFUSED_LAYOUT_BYTES_BACKWARD", 0)
+    bare_f, bare_b = compute.attention_core_times_s(model, 2, 4, a100, 312e12)
+    elements = 2 * 2048 * 4096 / 4
+    bw = a100.memory_bandwidth_bytes_per_s * a100.efficiency.memory_fraction
+    assert float(forward - bare_f) == pytest.approx(4 * elements / bw, rel=1e-9)
+    assert float(backward - bare_b) == pytest.approx(16 * elements / bw, rel=1e-9)

@@ -55,6 +55,12 @@ ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO = 4
 UNFUSED_SCORE_BYTES_FORWARD = 9
 UNFUSED_SCORE_BYTES_BACKWARD = 11
 BACKWARD_TRAFFIC_RATIO = 2.0
+# Layout copies of Megatron-LM's unfused attention (megatron/model/transformer.py, 2020-21), per element of
+# the rank's b x s x h/tp attention activation: forward, the context `permute(2, 0, 1, 3).contiguous()` (read 2,
+# write 2); backward, that copy's gradient (4) and autograd's `cat` of the q, k, v gradients that the split of
+# the fused QKV output needs (read and write 3 x 2). The batched GEMMs read q, k, v in place (strided views).
+UNFUSED_LAYOUT_BYTES_FORWARD = 4
+UNFUSED_LAYOUT_BYTES_BACKWARD = 16
 # An MoE layer gathers each routed token's hidden vector into its expert's buffer and scatters the
 # result back: a read and a write of 2 bytes each, twice, per routed token-hidden element.
 MOE_PERMUTE_BYTES = 8
@@ -262,8 +268,11 @@ def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, pe
     backward_gemm = (gemm_s(s, d, s, device, peak_flops, n_mats) + gemm_s(d, s, s, device, peak_flops, n_mats)
                      + gemm_s(s, s, d, device, peak_flops, n_mats) + gemm_s(s, d, s, device, peak_flops, n_mats))
     scores = n_mats * s * s
-    forward = forward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_FORWARD * scores, device)
-    backward = backward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_BACKWARD * scores, device)
+    layout = n_mats * s * d  # b x s x h / tp elements
+    forward = forward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_FORWARD * scores
+                                            + UNFUSED_LAYOUT_BYTES_FORWARD * layout, device)
+    backward = backward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_BACKWARD * scores
+                                              + UNFUSED_LAYOUT_BYTES_BACKWARD * layout, device)
     return forward, backward
 
 
