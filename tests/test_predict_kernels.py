@@ -288,3 +288,15 @@ def test_unfused_attention_pays_megatrons_layout_copies(monkeypatch):
     bw = a100.memory_bandwidth_bytes_per_s * a100.efficiency.memory_fraction
     assert float(forward - bare_f) == pytest.approx(4 * elements / bw, rel=1e-9)
     assert float(backward - bare_b) == pytest.approx(16 * elements / bw, rel=1e-9)
+
+
+def test_the_optimizer_step_moves_54_bytes_per_owned_parameter():
+    """Megatron-LM's Float16Optimizer passes: 6 + 8 + 4 + 28 (Adam) + 6 + 2 bytes, on the whole replica at
+    ZeRO 0 and on the rank's 1/dp share at ZeRO 1."""
+    model = ModelSpec(hidden=2048, heads=16, layers=8, seq=2048, vocab=51200, global_batch=64)
+    cluster = parse_cluster("a100-80gb:1x8")
+    bw = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.efficiency.memory_fraction
+    zero0 = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=0), cluster)
+    assert zero0.breakdown_s["optimizer"] == pytest.approx(54 * model.params / bw, rel=1e-9)
+    zero1 = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=1), cluster)
+    assert zero1.breakdown_s["optimizer"] == pytest.approx(54 * model.params / 8 / bw, rel=1e-9)

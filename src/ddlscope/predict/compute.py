@@ -318,9 +318,15 @@ def embedding_times_s(model: ModelSpec, micro_batch, device: Device):
     return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
 
 
-# Adam step, per parameter the rank owns: read fp32 master/momentum/variance (12) and the
-# 16-bit gradient (2), write master/momentum/variance (12) and the 16-bit weight (2).
-OPTIMIZER_BYTES_PER_PARAM = 28
+# The mixed-precision optimizer step, per parameter the rank owns, as Megatron-LM's Float16Optimizer runs it
+# (megatron/optimizer/optimizer.py: each a separate multi-tensor pass over memory):
+#   copy the 16-bit gradient to an fp32 one            read 2,  write 4   6
+#   unscale and check for inf/NaN                      read 4,  write 4   8
+#   gradient norm for clipping                         read 4             4
+#   Adam (apex FusedAdam): weight, gradient, m, v      read 16, write 12 28
+#   copy the fp32 master weight to the 16-bit one      read 4,  write 2   6
+#   zero the gradient buffer for the next step                 write 2   2
+OPTIMIZER_BYTES_PER_PARAM = 54
 
 
 def optimizer_step_s(owned_params, device: Device):
