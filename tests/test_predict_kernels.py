@@ -300,3 +300,16 @@ def test_the_optimizer_step_moves_54_bytes_per_owned_parameter():
     assert zero0.breakdown_s["optimizer"] == pytest.approx(54 * model.params / bw, rel=1e-9)
     zero1 = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=1), cluster)
     assert zero1.breakdown_s["optimizer"] == pytest.approx(54 * model.params / 8 / bw, rel=1e-9)
+
+
+def test_pipeline_sends_scatter_over_tp_and_regather_unless_sequence_parallel():
+    """Each tp rank sends 1/tp of the activation; the receivers all-gather it back (not with SP)."""
+    model = ModelSpec(hidden=4096, heads=32, layers=8, seq=2048, vocab=51200, global_batch=16)
+    cluster = parse_cluster("a100-80gb:2x8")
+    act = 2048 * 4096 * 2  # micro-batch 1
+    send = float(coll.p2p_s(act / 8, True, cluster.node))  # stage 2 is on the other node
+    gather = float(coll.all_gather_s(act, 8, 8, cluster.node))
+    plain = predict(model, ParallelSpec(tp=8, pp=2, micro_batch=1, recompute="full"), cluster)
+    assert plain.breakdown_s["pp_p2p"] == pytest.approx(16 * 2 * (send + gather), rel=1e-9)
+    sp = predict(model, ParallelSpec(tp=8, pp=2, micro_batch=1, recompute="full", sequence_parallel=True), cluster)
+    assert sp.breakdown_s["pp_p2p"] == pytest.approx(16 * 2 * send, rel=1e-9)

@@ -338,7 +338,13 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
     stages_across_nodes = x.t * x.c * x.d >= g
     act_bytes = x.bt * model.seq * model.hidden * model.activation_bytes
-    p2p_mb = np.where(single, 0.0, 2 * x.v * coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node))
+    # and the receiving tp ranks all-gather the pieces back into the whole activation (megatron/p2p_communication.py,
+    # gather_split_1d_tensor) before they use it: one all-gather over the tp group per received tensor. With
+    # sequence parallelism each rank's activation is its 1/tp of the sequence already: sent as it is, no gather.
+    tp_local = coll.group_members_per_node(x.t, 1, g)
+    regather = np.where((x.t > 1) & ~x.sp, coll.all_gather_s(act_bytes, x.t, tp_local, cluster.node), 0.0)
+    p2p_mb = np.where(single, 0.0,
+                      2 * x.v * (coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node) + regather))
 
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
     first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, first_compute_f, first_compute_b,
