@@ -341,8 +341,10 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     # and the receiving tp ranks all-gather the pieces back into the whole activation (megatron/p2p_communication.py,
     # gather_split_1d_tensor) before they use it: one all-gather over the tp group per received tensor. With
     # sequence parallelism each rank's activation is its 1/tp of the sequence already: sent as it is, no gather.
-    tp_local = coll.group_members_per_node(x.t, 1, g)
-    regather = np.where((x.t > 1) & ~x.sp, coll.all_gather_s(act_bytes, x.t, tp_local, cluster.node), 0.0)
+    (gathered,) = _per_distinct(  # a few distinct (micro-batch, cp, tp) among the planner's configurations
+        lambda b, cp, t: (coll.all_gather_s(b / cp * model.seq * model.hidden * model.activation_bytes, t,
+                                            coll.group_members_per_node(t, 1, g), cluster.node),), x.b, x.c, x.t)
+    regather = np.where((x.t > 1) & ~x.sp, gathered, 0.0)
     p2p_mb = np.where(single, 0.0,
                       2 * x.v * (coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node) + regather))
 
@@ -354,8 +356,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
     # unless the weight-gradient GEMM accumulates into it itself (its C operand, inside the GEMM's roofline)
     unfused = 0.0 if c.fused_grad_accumulation else 1.0
-    accumulated = lambda params: unfused * compute.gradient_accumulation_s(  # noqa: E731
-        params / np.where(x.zero >= 2, _data_group(cluster, x)[0], 1.0), dev)
+    accumulating_share = np.where(x.zero >= 2, 1.0 / _data_group(cluster, x)[0], 1.0)
+    accumulated = lambda params: (  # noqa: E731
+        unfused * compute.gradient_accumulation_s(params * accumulating_share, dev))
     first_accumulate = accumulated(first_params + experts_here)
     last_accumulate = accumulated(last_params + experts_here)
 
