@@ -60,6 +60,10 @@ class Run:
     # pipeline engine (MT-NLG, BLOOM) reduces them after the pipeline flush (TrainSchedule: ReduceGrads after
     # the last backward): nothing overlapped in either.
     overlap_grad_reduce: bool = True
+    # Gradient accumulation fused into the weight-gradient GEMM (Megatron-LM's `fused_weight_gradient_mlp_cuda`,
+    # `--gradient-accumulation-fusion`) came with the sequence-parallel release of Korthikanti et al. 2022; the 2021
+    # code (`param.main_grad.add_(param.grad)` in its DDP hook) and DeepSpeed's engines add in a separate pass.
+    fused_grad_accumulation: bool = False
 
 
 def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -140,7 +144,7 @@ def korthikanti_530b(global_batch: int, recompute: str, sequence_parallel: bool)
                ModelSpec(hidden=20480, heads=128, layers=105, seq=2048, vocab=51200, global_batch=global_batch,
                          attention="unfused", dtype="fp16"),
                8, 35, 8, "mfu", math.nan, micro_batches=(1,), interleaves=(1, 3), recompute=recompute,
-               sequence_parallel=sequence_parallel, overlap_grad_reduce=False)
+               sequence_parallel=sequence_parallel, overlap_grad_reduce=False, fused_grad_accumulation=True)
 
 
 # The abstract of Korthikanti et al. 2022: the 530B GPT on 2240 A100s reaches 54.2% MFU with selective
@@ -230,7 +234,8 @@ def predicted_with_range(run: Run, sustained: float | None) -> tuple[float, str,
         for v in run.interleaves:
             spec = ParallelSpec(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch=b, interleave=v,
                                 recompute=run.recompute, zero=run.zero, sequence_parallel=run.sequence_parallel,
-                                overlap_grad_reduce=run.overlap_grad_reduce)
+                                overlap_grad_reduce=run.overlap_grad_reduce,
+                                fused_grad_accumulation=run.fused_grad_accumulation)
             try:
                 p = predict(run.model, spec, cluster)
             except ConfigError:

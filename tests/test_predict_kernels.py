@@ -239,3 +239,77 @@ def test_context_parallel_of_three_prices_a_third_of_the_tokens_exactly():
     cp3, _ = _one(model, cluster, cp=3, dp=2, micro_batch=3)
     cp1, _ = _one(model, cluster, cp=1, dp=6, micro_batch=1)
     assert float(cp3["compute_s"][0]) == pytest.approx(float(cp1["compute_s"][0]), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- gradient accumulation
+def test_every_micro_batch_adds_its_gradients_into_the_buffer():
+    """6 bytes per parameter per micro-batch (read the fresh 16-bit gradient, read and write the buffer),
+    on the whole replica at ZeRO 0 and on the rank's 1/dp shard at ZeRO 3."""
+    model = ModelSpec(hidden=2048, heads=16, layers=8, seq=2048, vocab=51200, global_batch=64)
+    cluster = parse_cluster("a100-80gb:1x8")
+    bw = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.efficiency.memory_fraction
+    ddp = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=0), cluster)
+    assert ddp.micro_batches == 4
+    assert ddp.breakdown_s["grad_accumulation"] == pytest.approx(4 * 6 * model.params / bw, rel=1e-9)
+    fsdp = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=3), cluster)
+    assert fsdp.breakdown_s["grad_accumulation"] == pytest.approx(4 * 6 * model.params / 8 / bw, rel=1e-9)
+    fused = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=0, fused_grad_accumulation=True), cluster)
+    assert fused.breakdown_s["grad_accumulation"] == 0.0  # the weight-gradient GEMM accumulates itself
+    assert fused.step_time_s == pytest.approx(ddp.step_time_s - ddp.breakdown_s["grad_accumulation"], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------- NCCL's SMs during overlap
+def test_an_overlapped_collective_takes_its_channels_sms_from_the_compute_beside_it(monkeypatch):
+    # 16 of 132 SMs for the overlapped stretch: the shorter of the two
+    assert float(coll.sm_contention_s(0.010, 0.050, 132)) == pytest.approx(0.010 * 16 / 132, rel=1e-12)
+    assert float(coll.sm_contention_s(0.080, 0.050, 132)) == pytest.approx(0.050 * 16 / 132, rel=1e-12)
+    assert float(coll.sm_contention_s(0.080, 0.050, 0)) == 0.0  # no SMs in the catalogue: not charged
+    # FSDP on H100: the gathers and scatters hidden behind compute still cost the compute their SMs
+    model = ModelSpec(hidden=5120, heads=40, layers=40, seq=2048, vocab=50368, global_batch=64)
+    spec, cluster = ParallelSpec(dp=8, micro_batch=2, zero=3), parse_cluster("h100:1x8")
+    with_channels = predict(model, spec, cluster).breakdown_s["zero_comm"]
+    monkeypatch.setattr(coll, "NCCL_CHANNELS", 0)
+    without = predict(model, spec, cluster).breakdown_s["zero_comm"]
+    # per micro-batch: forward overlaps the gather, backward the gather + scatter (26 GB of bf16 weights, 7/8 of
+    # it over NVLink each way): a few percent of a ~0.5 s micro-batch
+    assert 0.020 < (with_channels - without) / 4 < 0.026
+
+
+def test_unfused_attention_pays_megatrons_layout_copies(monkeypatch):
+    """Forward: the context permute-copy (4 bytes per element of b s h/tp); backward: its gradient and the
+    cat of the q, k, v gradients (16)."""
+    a100 = load_catalogue().devices["a100-80gb"]
+    model = ModelSpec(hidden=4096, heads=32, layers=1, seq=2048, vocab=1, global_batch=1, attention="unfused")
+    forward, backward = compute.attention_core_times_s(model, 2, 4, a100, 312e12)
+    monkeypatch.setattr(compute, "UNFUSED_LAYOUT_BYTES_FORWARD", 0)
+    monkeypatch.setattr(compute, "UNFUSED_LAYOUT_BYTES_BACKWARD", 0)
+    bare_f, bare_b = compute.attention_core_times_s(model, 2, 4, a100, 312e12)
+    elements = 2 * 2048 * 4096 / 4
+    bw = a100.memory_bandwidth_bytes_per_s * a100.efficiency.memory_fraction
+    assert float(forward - bare_f) == pytest.approx(4 * elements / bw, rel=1e-9)
+    assert float(backward - bare_b) == pytest.approx(16 * elements / bw, rel=1e-9)
+
+
+def test_the_optimizer_step_moves_54_bytes_per_owned_parameter():
+    """Megatron-LM's Float16Optimizer passes: 6 + 8 + 4 + 28 (Adam) + 6 + 2 bytes, on the whole replica at
+    ZeRO 0 and on the rank's 1/dp share at ZeRO 1."""
+    model = ModelSpec(hidden=2048, heads=16, layers=8, seq=2048, vocab=51200, global_batch=64)
+    cluster = parse_cluster("a100-80gb:1x8")
+    bw = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.efficiency.memory_fraction
+    zero0 = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=0), cluster)
+    assert zero0.breakdown_s["optimizer"] == pytest.approx(54 * model.params / bw, rel=1e-9)
+    zero1 = predict(model, ParallelSpec(dp=8, micro_batch=2, zero=1), cluster)
+    assert zero1.breakdown_s["optimizer"] == pytest.approx(54 * model.params / 8 / bw, rel=1e-9)
+
+
+def test_pipeline_sends_scatter_over_tp_and_regather_unless_sequence_parallel():
+    """Each tp rank sends 1/tp of the activation; the receivers all-gather it back (not with SP)."""
+    model = ModelSpec(hidden=4096, heads=32, layers=8, seq=2048, vocab=51200, global_batch=16)
+    cluster = parse_cluster("a100-80gb:2x8")
+    act = 2048 * 4096 * 2  # micro-batch 1
+    send = float(coll.p2p_s(act / 8, True, cluster.node))  # stage 2 is on the other node
+    gather = float(coll.all_gather_s(act, 8, 8, cluster.node))
+    plain = predict(model, ParallelSpec(tp=8, pp=2, micro_batch=1, recompute="full"), cluster)
+    assert plain.breakdown_s["pp_p2p"] == pytest.approx(16 * 2 * (send + gather), rel=1e-9)
+    sp = predict(model, ParallelSpec(tp=8, pp=2, micro_batch=1, recompute="full", sequence_parallel=True), cluster)
+    assert sp.breakdown_s["pp_p2p"] == pytest.approx(16 * 2 * send, rel=1e-9)

@@ -196,6 +196,26 @@ def ps_pull_s(size_bytes, workers, servers, server_bytes_per_s, worker_bytes_per
     return alpha_s + np.maximum(size_bytes / worker_bytes_per_s, workers * size_bytes / servers / server_bytes_per_s)
 
 
+# NCCL runs each channel of a collective as one thread block resident on its own SM for the collective's
+# whole duration (NCCL documentation, NCCL_MIN_CTAS / NCCL_MAX_CTAS: "one CTA per channel"); for large
+# messages on an NVSwitch node it uses 16 channels (NCCL environment documentation: NCCL_NVLS_NCHANNELS
+# defaults to 16 on Hopper; nccl-tests on DGX A100 log 16-32 "coll channels" for the ring). 16 is the
+# low end, so the effect below is, if anything, understated.
+NCCL_CHANNELS = 16
+
+
+def sm_contention_s(overlapped_comm_s, compute_s, sms: int) -> np.ndarray:
+    """Compute time lost to a collective that runs beside it: while they overlap the kernels have
+    sms - NCCL_CHANNELS of the SMs, so the overlapped stretch does NCCL_CHANNELS / sms less work, done later.
+
+    `sms` 0 (a device without SMs in the catalogue, a calibrated CPU): nothing charged.
+    """
+    if sms <= 0:
+        return np.zeros_like(np.asarray(compute_s, dtype=float))
+    overlap = np.minimum(np.asarray(overlapped_comm_s, dtype=float), np.asarray(compute_s, dtype=float))
+    return np.maximum(overlap, 0.0) * min(NCCL_CHANNELS, sms) / sms
+
+
 def bucketed_overlap_exposed_s(total_comm_s, latency_per_bucket_s, n_buckets, backward_s) -> np.ndarray:
     """Communication left exposed after a backward pass that fills `n_buckets` evenly (DDP, MG-WFBP).
 

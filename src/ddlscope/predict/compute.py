@@ -55,6 +55,12 @@ ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO = 4
 UNFUSED_SCORE_BYTES_FORWARD = 9
 UNFUSED_SCORE_BYTES_BACKWARD = 11
 BACKWARD_TRAFFIC_RATIO = 2.0
+# Layout copies of Megatron-LM's unfused attention (megatron/model/transformer.py, 2020-21), per element of
+# the rank's b x s x h/tp attention activation: forward, the context `permute(2, 0, 1, 3).contiguous()` (read 2,
+# write 2); backward, that copy's gradient (4) and autograd's `cat` of the q, k, v gradients that the split of
+# the fused QKV output needs (read and write 3 x 2). The batched GEMMs read q, k, v in place (strided views).
+UNFUSED_LAYOUT_BYTES_FORWARD = 4
+UNFUSED_LAYOUT_BYTES_BACKWARD = 16
 # An MoE layer gathers each routed token's hidden vector into its expert's buffer and scatters the
 # result back: a read and a write of 2 bytes each, twice, per routed token-hidden element.
 MOE_PERMUTE_BYTES = 8
@@ -262,8 +268,11 @@ def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, pe
     backward_gemm = (gemm_s(s, d, s, device, peak_flops, n_mats) + gemm_s(d, s, s, device, peak_flops, n_mats)
                      + gemm_s(s, s, d, device, peak_flops, n_mats) + gemm_s(s, d, s, device, peak_flops, n_mats))
     scores = n_mats * s * s
-    forward = forward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_FORWARD * scores, device)
-    backward = backward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_BACKWARD * scores, device)
+    layout = n_mats * s * d  # b x s x h / tp elements
+    forward = forward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_FORWARD * scores
+                                            + UNFUSED_LAYOUT_BYTES_FORWARD * layout, device)
+    backward = backward_gemm + memory_bound_s(UNFUSED_SCORE_BYTES_BACKWARD * scores
+                                              + UNFUSED_LAYOUT_BYTES_BACKWARD * layout, device)
     return forward, backward
 
 
@@ -309,10 +318,28 @@ def embedding_times_s(model: ModelSpec, micro_batch, device: Device):
     return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
 
 
-# Adam step, per parameter the rank owns: read fp32 master/momentum/variance (12) and the
-# 16-bit gradient (2), write master/momentum/variance (12) and the 16-bit weight (2).
-OPTIMIZER_BYTES_PER_PARAM = 28
+# The mixed-precision optimizer step, per parameter the rank owns, as Megatron-LM's Float16Optimizer runs it
+# (megatron/optimizer/optimizer.py: each a separate multi-tensor pass over memory):
+#   copy the 16-bit gradient to an fp32 one            read 2,  write 4   6
+#   unscale and check for inf/NaN                      read 4,  write 4   8
+#   gradient norm for clipping                         read 4             4
+#   Adam (apex FusedAdam): weight, gradient, m, v      read 16, write 12 28
+#   copy the fp32 master weight to the 16-bit one      read 4,  write 2   6
+#   zero the gradient buffer for the next step                 write 2   2
+OPTIMIZER_BYTES_PER_PARAM = 54
 
 
 def optimizer_step_s(owned_params, device: Device):
     return memory_bound_s(OPTIMIZER_BYTES_PER_PARAM * np.asarray(owned_params, dtype=float), device)
+
+
+# Gradient accumulation, once per micro-batch per parameter whose gradient the rank accumulates: the
+# backward's fresh 16-bit weight gradient is added into the accumulation buffer (Megatron-LM's local DDP:
+# `param.main_grad.add_(param.grad)` in its backward hook; PyTorch's AccumulateGrad; DeepSpeed's
+# pipeline engine): read the new gradient (2 bytes), read and write the 2-byte buffer (first principles).
+GRAD_ACCUMULATION_BYTES_PER_PARAM = 6
+
+
+def gradient_accumulation_s(accumulated_params, device: Device):
+    """Memory-bound pass that adds one micro-batch's weight gradients into the step's gradient buffer."""
+    return memory_bound_s(GRAD_ACCUMULATION_BYTES_PER_PARAM * np.asarray(accumulated_params, dtype=float), device)

@@ -52,6 +52,7 @@ class ConfigArrays:
     schedule: np.ndarray
     overlap_grad_reduce: bool = True
     bucket_mb: float = 25.0
+    fused_grad_accumulation: bool = False
     cp: np.ndarray | None = None  # None: 1 everywhere
     ep: np.ndarray | None = None
 
@@ -71,6 +72,7 @@ class ConfigArrays:
                    sequence_parallel=col(lambda s: bool(s.sequence_parallel)),
                    interleave=col(lambda s: s.interleave), schedule=col(lambda s: SCHEDULE_CODES[s.schedule]),
                    overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
+                   fused_grad_accumulation=first.fused_grad_accumulation,
                    cp=col(lambda s: s.cp), ep=col(lambda s: s.ep))
 
     def __len__(self) -> int:
@@ -90,7 +92,8 @@ class ConfigArrays:
                             micro_batch=int(self.micro_batch[i]), zero=int(self.zero[i]), recompute=recompute,
                             sequence_parallel=bool(self.sequence_parallel[i]), interleave=int(self.interleave[i]),
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
-                            bucket_mb=self.bucket_mb, cp=int(self.cp[i]), ep=int(self.ep[i]))
+                            bucket_mb=self.bucket_mb, fused_grad_accumulation=self.fused_grad_accumulation,
+                            cp=int(self.cp[i]), ep=int(self.ep[i]))
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
@@ -255,11 +258,15 @@ def _zero_in_step_s(cluster: Cluster, x: _Shape, params, compute_f, compute_b, b
     scatter = coll.reduce_scatter_s(shard_bytes, group, local, node)
     # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
     # except the first unit's; backward gathers again and reduce-scatters gradients.
+    # Each overlapped collective also holds NCCL's SMs while the compute beside it runs (sm_contention_s).
+    sms = cluster.device.efficiency.sms
     stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
-              + np.maximum(gather + scatter - compute_b, 0.0))
+              + np.maximum(gather + scatter - compute_b, 0.0)
+              + coll.sm_contention_s(gather, compute_f, sms) + coll.sm_contention_s(gather + scatter, compute_b, sms))
     # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
     latency = coll.reduce_scatter_s(0.0, group, local, node)
-    stage2 = coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
+    stage2 = (coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
+              + coll.sm_contention_s(scatter, compute_b, sms))
     return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
 
 
@@ -274,8 +281,9 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: Co
     if c.overlap_grad_reduce:  # buckets go out while the last micro-batch's backward runs
         latency = np.where(x.zero == 0, coll.all_reduce_s(0.0, group, local, node),
                            coll.reduce_scatter_s(0.0, group, local, node))
-        reduce = coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
-                                                 backward_s)
+        reduce = (coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
+                                                  backward_s)
+                  + coll.sm_contention_s(reduce, backward_s, cluster.device.efficiency.sms))
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
 
 
@@ -330,16 +338,33 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
     stages_across_nodes = x.t * x.c * x.d >= g
     act_bytes = x.bt * model.seq * model.hidden * model.activation_bytes
-    p2p_mb = np.where(single, 0.0, 2 * x.v * coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node))
+    # and the receiving tp ranks all-gather the pieces back into the whole activation (megatron/p2p_communication.py,
+    # gather_split_1d_tensor) before they use it: one all-gather over the tp group per received tensor. With
+    # sequence parallelism each rank's activation is its 1/tp of the sequence already: sent as it is, no gather.
+    (gathered,) = _per_distinct(  # a few distinct (micro-batch, cp, tp) among the planner's configurations
+        lambda b, cp, t: (coll.all_gather_s(b / cp * model.seq * model.hidden * model.activation_bytes, t,
+                                            coll.group_members_per_node(t, 1, g), cluster.node),), x.b, x.c, x.t)
+    regather = np.where((x.t > 1) & ~x.sp, gathered, 0.0)
+    p2p_mb = np.where(single, 0.0,
+                      2 * x.v * (coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node) + regather))
 
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
     first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, first_compute_f, first_compute_b,
                                  c.bucket_mb)
     last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, last_compute_f, last_compute_b, c.bucket_mb)
 
+    # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
+    # unless the weight-gradient GEMM accumulates into it itself (its C operand, inside the GEMM's roofline)
+    unfused = 0.0 if c.fused_grad_accumulation else 1.0
+    accumulating_share = np.where(x.zero >= 2, 1.0 / _data_group(cluster, x)[0], 1.0)
+    accumulated = lambda params: (  # noqa: E731
+        unfused * compute.gradient_accumulation_s(params * accumulating_share, dev))
+    first_accumulate = accumulated(first_params + experts_here)
+    last_accumulate = accumulated(last_params + experts_here)
+
     stage_comm = stage_tp + stage_ep + stage_cp + p2p_mb
-    first_stage = first_compute_f + first_compute_b + stage_comm + first_zero
-    last_stage = last_compute_f + last_compute_b + stage_comm + last_zero
+    first_stage = first_compute_f + first_compute_b + stage_comm + first_zero + first_accumulate
+    last_stage = last_compute_f + last_compute_b + stage_comm + last_zero + last_accumulate
     last_is_slowest = last_stage > first_stage
     t_stage = np.maximum(first_stage, last_stage)
     slowest = lambda first, last: np.where(last_is_slowest, last, first)  # noqa: E731
@@ -396,6 +421,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
         "cp_comm_s": m * stage_cp,
         "pp_p2p_s": m * p2p_mb,
         "zero_comm_s": m * slowest(first_zero, last_zero),
+        "grad_accumulation_s": m * slowest(first_accumulate, last_accumulate),
         "bubble_s": bubble_s,
         "dp_sync_s": dp_sync_s,
         "optimizer_s": optimizer_s,
@@ -414,5 +440,5 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     }
 
 
-BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s", "embedding_sync_s",
-                  "bubble_s", "optimizer_s")
+BREAKDOWN_KEYS = ("compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_p2p_s", "zero_comm_s", "dp_sync_s",
+                  "embedding_sync_s", "bubble_s", "optimizer_s", "grad_accumulation_s")

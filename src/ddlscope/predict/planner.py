@@ -30,7 +30,7 @@ MAX_EXPERT_PARALLEL = 64
 TERM_LABELS = {"compute_s": "compute", "tp_comm_s": "TP comm", "ep_comm_s": "expert all-to-all",
                "cp_comm_s": "context-parallel ring", "pp_p2p_s": "PP send/recv",
                "zero_comm_s": "ZeRO gathers", "dp_sync_s": "DP grad sync", "embedding_sync_s": "embedding sync",
-               "bubble_s": "pipeline bubble", "optimizer_s": "optimizer"}
+               "bubble_s": "pipeline bubble", "optimizer_s": "optimizer", "grad_accumulation_s": "gradient accumulation"}
 
 
 @dataclass

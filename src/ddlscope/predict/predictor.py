@@ -173,6 +173,7 @@ def prediction_from_arrays(out: dict, i: int, model: ModelSpec, parallel: Parall
         "embedding_sync": value("embedding_sync_s"),
         "bubble": value("bubble_s"),
         "optimizer": value("optimizer_s"),
+        "grad_accumulation": value("grad_accumulation_s"),
     }
     memory = {
         "parameters": value("parameters_bytes") / GB,

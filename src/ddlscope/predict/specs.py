@@ -134,6 +134,8 @@ class ParallelSpec:
     (FSDP FULL_SHARD). `interleave`: model chunks per pipeline stage (1 = plain
     1F1B). `overlap_grad_reduce`: data-parallel gradient reduction runs in
     buckets behind the last micro-batch's backward (DDP/Megatron-core default).
+    `fused_grad_accumulation`: the weight-gradient GEMM accumulates straight into the gradient buffer
+    (Megatron-LM's `--gradient-accumulation-fusion`), so no separate accumulation pass per micro-batch.
     """
 
     tp: int = 1
@@ -149,6 +151,7 @@ class ParallelSpec:
     schedule: Schedule = "1f1b"
     overlap_grad_reduce: bool = True
     bucket_mb: float = 25.0
+    fused_grad_accumulation: bool = False
 
     @property
     def gpus(self) -> int:
