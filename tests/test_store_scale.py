@@ -240,3 +240,19 @@ def test_merge_of_streamed_traces_shifts_every_event_of_every_rank(tmp_path, mon
         assert [e["ts"] for e in mine] == [round(e["ts"] + shift, 3) for e in original]
         flows = [e["id"] for e in merged if e["pid"] == rank and e["ph"] in ("s", "f")]
         assert flows and min(flows) > rank * 10**12 and max(flows) < (rank + 1) * 10**12
+
+
+def test_throughput_counts_the_batch_once_where_every_rank_takes_all_of_it(tmp_path):
+    """The same rows as a data-parallel run (each rank its share: the ranks' samples add up) and as a
+    tensor-parallel one (every rank the whole batch: counted once)."""
+    from ddlscope.analysis.summary import summarize
+
+    throughput = {}
+    for strategy in ("ddp", "tp"):
+        db = tmp_path / f"{strategy}.db"
+        run_id, run_dir = write_synthetic_run(db, Shape(4, 20, strategy=strategy), name=strategy)
+        with Store(db) as store:
+            ingest_run_dir(store, run_id, run_dir)
+            store.mark_done(run_id, "finished")
+            throughput[strategy] = summarize(store, store.get_run(run_id)).throughput_samples_per_s
+    assert throughput["tp"] == pytest.approx(throughput["ddp"] / 4)

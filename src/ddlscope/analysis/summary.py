@@ -170,8 +170,12 @@ def summarize(store: Store, run: Run, steps: StepAggregates | None = None) -> Su
     # the longest window of each step overstates the step period (by ~18% at 4 ranks on 2 cores).
     mean_step_s = max((r["step_s"] / r["steady_step_s_rows"] for r in agg.by_rank if r["steady_step_s_rows"]),
                       default=None)
-    # The mean over steady steps of the samples all ranks processed in it.
+    # The mean over steady steps of the samples all ranks processed in it; where every rank takes the
+    # whole batch (pipeline stages, tensor or node parallel ranks), the batch once, not once per rank.
     global_samples = sum(r["samples"] or 0 for r in agg.by_rank) / len(agg.by_step) if agg.by_step else None
+    traits = traits_of(run.config.get("strategy", {}).get("name", ""))
+    if global_samples is not None and traits is not None and not traits.splits_global_batch and agg.by_rank:
+        global_samples /= len(agg.by_rank)
     throughput = global_samples / mean_step_s if mean_step_s and global_samples is not None else None
 
     breakdown = {p: agg.steady_mean(p) for p in PHASES} if steady else {}
