@@ -143,9 +143,7 @@ class Pipeline(Strategy):
 
     def _share_loss(self, value: float) -> float:
         """The last stage's loss, on every rank (each rank's step row records it)."""
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.broadcast(t, src=self._global(self.owner(self.n_stages - 1)), group=self.group)
-        return float(t.item())
+        return share_value(value, self._global(self.owner(self.n_stages - 1)), self.group)
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -217,31 +215,61 @@ class Pipeline(Strategy):
         return self._broadcast(h if self.n_stages - 1 in self.mine else None, self.owner(self.n_stages - 1))
 
     def _send(self, t: torch.Tensor, to: int) -> None:
-        dist.send(_header(t), self._global(to), group=self.group)
-        dist.send(t.contiguous(), self._global(to), group=self.group)
+        send_tensor(t, self._global(to), self.group)
 
     def _recv(self, frm: int) -> torch.Tensor:
-        header = torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
-        dist.recv(header, self._global(frm), group=self.group)
-        t = torch.empty(_shape(header), device=self.ctx.device)
-        dist.recv(t, self._global(frm), group=self.group)
-        return t
+        return recv_tensor(self._global(frm), self.group, self.ctx.device)
 
     def _broadcast(self, t: torch.Tensor | None, src: int) -> torch.Tensor:
-        header = _header(t) if t is not None else torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
-        dist.broadcast(header, self._global(src), group=self.group)
-        out = t.contiguous() if t is not None else torch.empty(_shape(header), device=self.ctx.device)
-        dist.broadcast(out, self._global(src), group=self.group)
-        return out
+        return broadcast_tensor(t, self._global(src), self.group, self.ctx.device)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """Every rank's parameters and buffers under the single-process model's names (collective)."""
-        mine = {self._names[id(t)]: t.detach().cpu() for chunk in model.stages  # type: ignore[union-attr]
-                for t in chunk.state_dict(keep_vars=True).values()}
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.ranks)]
-        dist.all_gather_object(parts, mine, group=self.group)
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {name: merged[name] for name in self._order if name in merged}
+        return gather_state_dict(list(model.stages), self._names, self._order, self.ranks,  # type: ignore[arg-type]
+                                 self.group)
+
+
+def gather_state_dict(modules: list[nn.Module], names: dict[int, str], order: list[str], ranks: int,
+                      group: Any = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from the parts each rank holds (collective): `names` maps a tensor's
+    id to its name in the single-process model, `order` is that model's order."""
+    mine = {names[id(t)]: t.detach().cpu() for module in modules for t in module.state_dict(keep_vars=True).values()}
+    parts: list[dict[str, torch.Tensor]] = [mine] if ranks == 1 else [{} for _ in range(ranks)]
+    if ranks > 1:
+        dist.all_gather_object(parts, mine, group=group)
+    merged = {k: v for part in parts for k, v in part.items()}
+    return {name: merged[name] for name in order if name in merged}
+
+
+def share_value(value: float, src: int, group: Any = None) -> float:
+    """Global rank `src`'s number on every rank (e.g. the last stage's loss, for every rank's step row)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(t, src=src, group=group)
+    return float(t.item())
+
+
+def send_tensor(t: torch.Tensor, dst: int, group: Any = None) -> None:
+    """A tensor of any shape to global rank `dst`: its shape first (outside a schedule: evaluation)."""
+    dist.send(_header(t), dst, group=group)
+    dist.send(t.contiguous(), dst, group=group)
+
+
+def recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    """What `send_tensor` sent from global rank `src`."""
+    header = torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    t = torch.empty(_shape(header), device=device)
+    dist.recv(t, src, group=group)
+    return t
+
+
+def broadcast_tensor(t: torch.Tensor | None, src: int, group: Any, device: torch.device) -> torch.Tensor:
+    """Global rank `src`'s tensor (given there, None elsewhere) on every rank of `group`."""
+    header = _header(t) if t is not None else torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
+    dist.broadcast(header, src, group=group)
+    out = t.contiguous() if t is not None else torch.empty(_shape(header), device=device)
+    dist.broadcast(out, src, group=group)
+    return out
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
