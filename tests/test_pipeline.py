@@ -134,9 +134,9 @@ def _bubble(runs: Path, schedule: str) -> tuple[float, list[list[float]]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skip(reason="a timing check: on idle 2-core machines the measured bubble left the 25% band (gpipe "
-                         "0.32 against 0.25 in CI; 1f1b and interleaved locally): per-wait overhead; to move to "
-                         "benchmarks/")
+@pytest.mark.skip(reason="a timing check, and the formula assumes equal stages: here the last stage also computes "
+                         "the head and loss, so the other waits m x the difference (docs/modelparallel.md, "
+                         "benchmarks/pipeline_bubble.py compares against the order played out with measured times)")
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_measured_bubble_is_the_schedules_fraction(runs: Path, schedule: str):
     v = SCHEDULES[schedule]
