@@ -5,18 +5,17 @@ gradients) train like one process. Both run in one process group."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddlscope.runtime.config import load_experiment
 from ddlscope.specs import ConfigError
 from ddlscope.workloads import WORKLOADS
-from test_partitioned import _free_port, _records, _train
+from rank_runs import records as _records
+from rank_runs import spawn_runs
+from rank_runs import train_rank as _train
 
 WORLD = 4
 GPT = {"workload.name": "gpt-synthetic", "workload.layers": 2, "workload.hidden": 32, "workload.heads": 4,
@@ -27,24 +26,10 @@ RUNS = {"fsdp-tp": {**GPT, "strategy.name": "tp", "strategy.dp": 2, "cluster.wor
                   "strategy.dp": 2, "cluster.world_size": WORLD}}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for name, overrides in RUNS.items():
-            state, records = _train(overrides, rank, WORLD, Path(out) / f"{name}-{rank}.jsonl")
-            if rank == 0:
-                torch.save(state, Path(out) / f"{name}.pt")
-            (Path(out) / f"{name}-{rank}.json").write_text(json.dumps(records))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mesh2d")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+    spawn_runs(out, WORLD, [(name, overrides, None) for name, overrides in RUNS.items()])
     return out
 
 

@@ -9,22 +9,17 @@ parameters must not move).
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddlscope.runtime.config import load_experiment
-from ddlscope.runtime.loop import train
-from ddlscope.runtime.rows import RowWriter, read_records
 from ddlscope.specs import ConfigError
-from ddlscope.strategies import runtime_class
-from ddlscope.strategies.base import RunContext
 from ddlscope.workloads import WORKLOADS
+from rank_runs import records as _records
+from rank_runs import spawn_runs
+from rank_runs import train_rank as _train
 
 WORLD = 2
 BASE = {"workload.name": "mlp-digits", "workload.layers": 2, "workload.hidden": 32, "workload.batch_size": 32,
@@ -33,24 +28,6 @@ BASE = {"workload.name": "mlp-digits", "workload.layers": 2, "workload.hidden": 
 
 def _overrides(strategy: str, world: int) -> dict:
     return {**BASE, "strategy.name": strategy, "cluster.world_size": world}
-
-
-def _train(overrides: dict, rank: int, world: int, rows: Path, zero_own_loss: bool = False) -> tuple[dict, list]:
-    exp = load_experiment(None, overrides)
-    ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
-    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-    strategy = runtime_class(exp.strategy)(exp.strategy, ctx)
-    if zero_own_loss:
-        local = strategy.local_loss
-        strategy.local_loss = lambda out, y, classes: 0.0 * local(out, y, classes)  # type: ignore[method-assign]
-    writer = RowWriter(rows, rank)
-    result = train(task, strategy, ctx, writer)
-    writer.close()
-    return strategy.full_state_dict(result.model), list(read_records(rows))
-
-
-def _records(records: list[dict], kind: str) -> list[dict]:
-    return [r for r in records if r.get("kind") == kind]
 
 
 def test_one_part_is_one_process_training(tmp_path: Path):
@@ -71,31 +48,18 @@ def test_partition_knob_is_checked():
         load_experiment(None, {**_overrides("partitioned", 3), "strategy.partition": [2, 2]})
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for name, zero in (("parted", False), ("zeroed", True)):
-            state, records = _train(_overrides("partitioned", WORLD), rank, WORLD, Path(out) / f"{name}-{rank}.jsonl",
-                                    zero_own_loss=zero and rank == 0)
-            if rank == 0:
-                torch.save(state, Path(out) / f"{name}.pt")
-            (Path(out) / f"{name}-{rank}.json").write_text(json.dumps(records))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def zero_part0_loss(strategy, rank: int) -> None:
+    """Part 0's own loss times zero: whatever moves its parameters then came from elsewhere."""
+    if rank == 0:
+        local = strategy.local_loss
+        strategy.local_loss = lambda out, y, classes: 0.0 * local(out, y, classes)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("partitioned")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+    spawn_runs(out, WORLD, [("parted", _overrides("partitioned", WORLD), None),
+                            ("zeroed", _overrides("partitioned", WORLD), zero_part0_loss)])
     return out
 
 
