@@ -79,7 +79,7 @@ class PipelineSpec(StrategySpec):
         units = layers + EXTRA_LAYERS
         if stages > units:
             raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: {stages} stages "
-                              f"({pp} pipeline ranks x {self.chunks} per rank) but the model has only "
+                              f"({pp} {'pipeline ' if self.dp > 1 else ''}ranks x {self.chunks} per rank) but the model has only "
                               f"{units} layers ({layers} blocks + embedding + head)")
         if self.partition:
             check_cuts(self.partition, stages, units)
@@ -89,8 +89,9 @@ class PipelineSpec(StrategySpec):
         if any(not 0 <= s < stages for s in self.recompute):
             raise ConfigError(f"strategy.recompute = {self.recompute}: stage indices must be within 0..{stages - 1}")
         if exp.workload.batch_size % (self.micro_batches * self.dp):
+            times_dp = f" x strategy.dp = {self.micro_batches * self.dp}" if self.dp > 1 else ""
             raise ConfigError(f"workload.batch_size = {exp.workload.batch_size}: must be divisible by "
-                              f"strategy.micro_batches x strategy.dp = {self.micro_batches * self.dp}")
+                              f"strategy.micro_batches = {self.micro_batches}{times_dp}")
         rounds = max(1, self.micro_batches // pp)
         if self.schedule in MULTI_STAGE_SCHEDULES and self.micro_batches % rounds:
             raise ConfigError(f"strategy.micro_batches = {self.micro_batches}: schedule {self.schedule!r} needs a "

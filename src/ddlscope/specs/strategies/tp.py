@@ -45,8 +45,9 @@ class TPSpec(StrategySpec):
                               f"strategy.dp = {self.dp}")
         t = self.tp_degree(exp.cluster.world_size)
         if heads % t:
+            degree = "it" if self.dp == 1 else f"its tp degree {t} (world_size / dp)"
             raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: strategy tp needs the heads ({heads}) "
-                              f"divisible by its tp degree {t} (world_size / dp)")
+                              f"divisible by {degree}")
         if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:
             raise ConfigError("checkpoint_every: strategy tp does not checkpoint yet; drop checkpoints and "
                               "cluster.max_restarts")
