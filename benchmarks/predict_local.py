@@ -13,6 +13,7 @@ are priced as their implicit GEMMs (target: <= 10% median step-time error).
         [--servers | --only-servers]   # + 5 runs with two parameter-server ranks, reported apart
         [--cnn]                        # 10 runs of the vision workloads instead (resnet-cifar, vgg-cifar)
         [--dataparallel | --only-dataparallel]   # + 8 runs of localsgd, diloco, cocod, hpsgd, osp, gossip, apart
+        [--modelparallel | --only-modelparallel] # + 5 runs of pipeline, tp and partitioned, apart
     .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
 
 Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
@@ -69,11 +70,23 @@ DATAPARALLEL_CONFIGS: list[tuple[str, int, dict]] = [
     ("hpsgd", 2, {}), ("hpsgd", 2, CUSTOM), ("osp", 2, CUSTOM), ("gossip", 2, CUSTOM),
 ]
 
+# --modelparallel: pipeline and tp on a small GPT, partitioned on the digits (issue 21), reported apart.
+GPT = {"workload.name": "gpt-synthetic", "workload.layers": 4, "workload.hidden": 128, "workload.heads": 4,
+       "workload.seq_len": 64, "workload.batch_size": 16, "workload.optimizer": "sgd"}
+MODELPARALLEL_CONFIGS: list[tuple[str, int, dict]] = [
+    ("pipeline", 2, {**GPT, "strategy.schedule": "gpipe", "strategy.micro_batches": 4}),
+    ("pipeline", 2, {**GPT, "strategy.schedule": "1f1b", "strategy.micro_batches": 4}),
+    ("tp", 2, GPT), ("single", 1, GPT),
+    ("partitioned", 2, {}),
+]
+
 
 def config_group(strategy: str, world: int, overrides: dict) -> str:
     """Which set a configuration belongs to: the standard 12 (the targets are for them) or an extra one."""
     if (strategy, world, overrides) in CONFIGS or (strategy, world, overrides) in CNN_CONFIGS:
         return "standard"
+    if (strategy, world, overrides) in MODELPARALLEL_CONFIGS:
+        return "modelparallel"
     return "dataparallel" if (strategy, world, overrides) in DATAPARALLEL_CONFIGS else "sharded servers"
 
 
@@ -83,6 +96,8 @@ def config_label(strategy: str, world: int, overrides: dict) -> str:
                                                               else "")
     network = "custom" if overrides.get("cluster.network.profile") == "custom" else "local"
     workload = overrides.get("workload.name")
+    if overrides.get("strategy.schedule"):
+        extra += f" {overrides['strategy.schedule']} m{overrides.get('strategy.micro_batches', 4)}"
     return f"{workload + ' ' if workload else ''}{strategy} x{world} {network}{extra}"
 
 
@@ -103,6 +118,10 @@ def main() -> int:
                         help="also run localsgd, diloco, cocod, hpsgd, osp and gossip (reported apart; give "
                              "--steps of at least twice diloco's period of 20, so that averages are in the mean)")
     parser.add_argument("--only-dataparallel", action="store_true", help="run just the --dataparallel ones")
+    parser.add_argument("--modelparallel", action="store_true",
+                        help="also run pipeline, tp (and a one-process reference) on a small GPT and partitioned "
+                             "on the digits, reported apart")
+    parser.add_argument("--only-modelparallel", action="store_true", help="run just the --modelparallel ones")
     parser.add_argument("--rescore", type=Path, default=None, metavar="JSON",
                         help="run nothing: predict the runs a --json file holds again, with this code")
     args = parser.parse_args()
@@ -129,9 +148,10 @@ def main() -> int:
         rows = []
         facts_cache: dict[str, dict] = {}
         standard = CNN_CONFIGS if args.cnn else CONFIGS
-        only = args.only_servers or args.only_dataparallel
+        only = args.only_servers or args.only_dataparallel or args.only_modelparallel
         configs = (([] if only else standard) + (SERVER_CONFIGS if args.servers or args.only_servers else [])
-                   + (DATAPARALLEL_CONFIGS if args.dataparallel or args.only_dataparallel else []))
+                   + (DATAPARALLEL_CONFIGS if args.dataparallel or args.only_dataparallel else [])
+                   + (MODELPARALLEL_CONFIGS if args.modelparallel or args.only_modelparallel else []))
         for strategy, world, extra in configs:
             base = {} if "workload.name" in extra else WORKLOAD
             overrides = {**base, "strategy.name": strategy, "cluster.world_size": world,
@@ -214,7 +234,7 @@ def print_results(console: Console, rows: list[dict]) -> tuple[float, float]:
         step_median = statistics.median(abs(r["error"]["step_s_error"]) for r in targeted) * 100
         console.print(f"step time MAPE {step_mape:.1f}% (target <= 10%), median {step_median:.1f}%   model-state "
                       f"memory MAPE {mem_mape:.1f}% (target <= 5%), over the {len(targeted)} standard configurations")
-    for group in ("sharded servers", "dataparallel"):
+    for group in ("sharded servers", "dataparallel", "modelparallel"):
         others = [r for r in rows if not r.get("target_set", True) and r.get("group", "sharded servers") == group]
         if others:
             console.print(f"{group} ({len(others)} configurations, no target): step time MAPE "

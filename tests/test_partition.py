@@ -134,3 +134,21 @@ def test_an_order_that_waits_on_itself_is_refused():
     # rank 0 runs stage 0's backward before rank 1 has run stage 1's, which waits on stage 0's forward
     with pytest.raises(ValueError, match="deadlocks"):
         simulate([[("B", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("B", 1, 0)]], lambda a: 1.0, 2)
+
+
+def test_stage_bubbles_from_measured_stage_times():
+    """Equal stages give (p - 1)/m; unequal ones the critical path: GPipe on 2 stages with forward /
+    backward 1 / 4 on stage 0 and 2 / 2 on stage 1, per micro-batch, m = 4: the step lasts
+    f0 + m f1 + b1 + m b0 = 27 against 20 and 16 of compute. (Swapping forward and backward times gives
+    the same: a GPipe step played backwards is a GPipe step.)"""
+    from ddlscope.predict.partition import stage_bubbles
+
+    for schedule in ("gpipe", "1f1b"):
+        for p in (2, 3, 4):
+            for m in (p, 2 * p, 8):
+                got = stage_bubbles(schedule, [1.0 * m] * p, [2.0 * m] * p, m)
+                assert got[-1] == pytest.approx((p - 1) / m)
+    unequal = stage_bubbles("gpipe", [4.0, 8.0], [16.0, 8.0], 4)
+    assert unequal == pytest.approx([7 / 20, 11 / 16])
+    assert stage_bubbles("gpipe", [4.0, 8.0], [16.0, 8.0], 4, waits=5, per_wait_s=0.2) == pytest.approx(
+        [8 / 20, 12 / 16])

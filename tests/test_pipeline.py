@@ -10,22 +10,16 @@ runs here. One launcher run (`ddlscope run`) is in tests/test_partition.py.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ddlscope.runtime.config import load_experiment
-from ddlscope.runtime.loop import train
-from ddlscope.runtime.rows import RowWriter, read_records
-from ddlscope.strategies import runtime_class
-from ddlscope.strategies.base import RunContext
 from ddlscope.workloads import WORKLOADS
+from rank_runs import spawn_runs
+from rank_runs import train_rank as _train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,44 +44,12 @@ def _overrides(base: dict, schedule: str | None) -> dict:
             "strategy.chunks": SCHEDULES[schedule], "strategy.micro_batches": MICRO_BATCHES}
 
 
-def _train(overrides: dict, rank: int, world: int, rows: Path) -> tuple[dict, list[dict]]:
-    """One run of the loop on this rank: the full state dict (collective) and this rank's rows."""
-    exp = load_experiment(None, overrides)
-    ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
-    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-    strategy = runtime_class(exp.strategy)(exp.strategy, ctx)
-    writer = RowWriter(rows, rank)
-    result = train(task, strategy, ctx, writer)
-    writer.close()
-    return strategy.full_state_dict(result.model), list(read_records(rows))
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for kind, base in (("equal", EQUAL), ("timed", TIMED)):
-            for schedule in (*SCHEDULES, "tp") if kind == "equal" else SCHEDULES:
-                name = f"{kind}-{schedule}"
-                state, records = _train(_overrides(base, schedule), rank, WORLD, Path(out) / f"{name}-{rank}.jsonl")
-                if rank == 0:
-                    torch.save(state, Path(out) / f"{name}.pt")
-                (Path(out) / f"{name}-{rank}.json").write_text(json.dumps(records))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+    spawn_runs(out, WORLD, [(f"{kind}-{schedule}", _overrides(base, schedule), None)
+                            for kind, base in (("equal", EQUAL), ("timed", TIMED))
+                            for schedule in ((*SCHEDULES, "tp") if kind == "equal" else SCHEDULES)])
     state, records = _train(_overrides(EQUAL, None), 0, 1, out / "single.jsonl")
     torch.save(state, out / "single.pt")
     (out / "single.json").write_text(json.dumps(records))
@@ -134,9 +96,9 @@ def _bubble(runs: Path, schedule: str) -> tuple[float, list[list[float]]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skip(reason="a timing check: on idle 2-core machines the measured bubble left the 25% band (gpipe "
-                         "0.32 against 0.25 in CI; 1f1b and interleaved locally): per-wait overhead; to move to "
-                         "benchmarks/")
+@pytest.mark.skip(reason="a timing check, and the formula assumes equal stages: here the last stage also computes "
+                         "the head and loss, so the other waits m x the difference (docs/modelparallel.md, "
+                         "benchmarks/pipeline_bubble.py compares against the order played out with measured times)")
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_measured_bubble_is_the_schedules_fraction(runs: Path, schedule: str):
     v = SCHEDULES[schedule]

@@ -51,4 +51,6 @@ def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[s
 
 
 def _knobs(spec_class: Any, base_fields: set[str]) -> str:
-    return ", ".join(f"{k}={f.default!r}" for k, f in spec_class.model_fields.items() if k not in base_fields) or "-"
+    # get_default: a list knob's default comes from a factory (f.default is PydanticUndefined)
+    return ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in spec_class.model_fields.items()
+                     if k not in base_fields) or "-"

@@ -40,6 +40,24 @@ def bubble_fraction(stages: int, micro_batches: int, chunks: int = 1, schedule: 
     return fraction * ZERO_BUBBLE_SHARE if schedule == "zero-bubble" else fraction
 
 
+def stage_bubbles(schedule: str, forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
+                  waits: int = 0, per_wait_s: float = 0.0) -> list[float]:
+    """Each rank's idle over compute for one stage per rank (GPipe, 1F1B) from its measured times.
+
+    (p - 1)/m holds for equal stages. Given each rank's forward and backward seconds per step (the
+    last stage's forward includes the loss), this plays torch's action order out with those times
+    per micro-batch (predict/schedule_sim.py): a faster stage waits for a slower one at every
+    micro-batch, so its idle grows with m by m x the difference, on top of the fill and drain. Each
+    rank also pays `waits` blocking waits a step at `per_wait_s` each (a measured transfer), 0 by default.
+    """
+    from ddlscope.predict.schedule_sim import simulate, single_stage_orders
+
+    p, m = len(forward_s), micro_batches
+    per_action = {"F": [f / m for f in forward_s], "B": [b / m for b in backward_s]}
+    timeline = simulate(single_stage_orders(schedule, p, m), lambda a: per_action[a[0]][a[1]], p)
+    return [(timeline.makespan_s - timeline.busy_s[r] + waits * per_wait_s) / timeline.busy_s[r] for r in range(p)]
+
+
 def in_flight(stage: int, stages: int, micro_batches: int, schedule: str = "1f1b") -> int:
     """Micro-batches whose activations stage `stage` (0-based) holds at its peak, one chunk per rank:
     GPipe all m; 1F1B the p - stage it forwards before its first backward (REFERENCE.md)."""

@@ -25,11 +25,13 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.utils.checkpoint import checkpoint
 
 from ddlscope.specs.strategies.pipeline import PipelineSpec, stage_ranges
 from ddlscope.strategies import RUNTIMES
+from ddlscope.strategies.averaging import InFlightAverage, flat_gradients, load_flat_gradients
 from ddlscope.strategies.base import Batch, Strategy, StepTimer
 from ddlscope.strategies.comm import CommStats
 
@@ -93,11 +95,17 @@ class Pipeline(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         layers = model_layers(model)
-        self.ranks = self.ctx.workers
+        self.ranks = self.spec.pipeline_ranks(self.ctx.workers)
         self.group = self.ctx.worker_group
+        self.dp_group: Any = None
+        if self.spec.dp > 1:  # a 2-D mesh: rows are pipelines, columns the replicas of a stage
+            mesh = init_device_mesh(self.ctx.device.type, (self.spec.dp, self.ranks), mesh_dim_names=("dp", "pp"))
+            self.group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+            self.dp_rank = mesh["dp"].get_local_rank()
+        self.me = self.ctx.rank if self.group is None else dist.get_rank(self.group)
         ranges = stage_ranges(self.spec.cuts(len(layers) - 2, self.ranks), len(layers))
         self.n_stages = len(ranges)
-        self.mine = [s for s in range(self.n_stages) if self.owner(s) == self.ctx.rank]
+        self.mine = [s for s in range(self.n_stages) if self.owner(s) == self.me]
         # Names in the single-process model, to give back its state dict (parameters and buffers).
         self._names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
         self._order = list(self._names.values())
@@ -128,6 +136,9 @@ class Pipeline(Strategy):
     def train_step(self, batch: Batch, timer: StepTimer) -> float:
         assert self.optimizer is not None
         x, y = batch
+        if self.dp_group is not None:  # this replica's share of the batch
+            share = len(x) // self.spec.dp
+            x, y = x[self.dp_rank * share:(self.dp_rank + 1) * share], y[self.dp_rank * share:(self.dp_rank + 1) * share]
         losses: list[torch.Tensor] = []
         first, last = 0 in self.mine, self.n_stages - 1 in self.mine
         args = (x,) if first else ()
@@ -136,16 +147,25 @@ class Pipeline(Strategy):
             self.schedule.step(*args, return_outputs=False, **kwargs)
         with timer.phase("synchronize"):
             loss = self._share_loss(statistics.fmean(float(v) for v in losses) if last else 0.0)
+            if self.dp_group is not None:
+                loss = self._average_over_replicas(loss)
         with timer.phase("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return loss
 
+    def _average_over_replicas(self, loss: float) -> float:
+        """Data parallel across pipelines: each stage's gradients averaged with its replicas' (one
+        all-reduce through comm.py); returns the loss averaged the same way."""
+        assert self.model is not None
+        flat = torch.cat([flat_gradients(self.model), torch.tensor([loss], dtype=torch.float32)])
+        flat = InFlightAverage(flat, self.comm, self.dp_group).wait()
+        load_flat_gradients(self.model, flat[:-1])
+        return float(flat[-1])
+
     def _share_loss(self, value: float) -> float:
         """The last stage's loss, on every rank (each rank's step row records it)."""
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.broadcast(t, src=self._global(self.owner(self.n_stages - 1)), group=self.group)
-        return float(t.item())
+        return share_value(value, self._global(self.owner(self.n_stages - 1)), self.group)
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -207,41 +227,71 @@ class Pipeline(Strategy):
         local = {s: chunk for s, chunk in zip(self.mine, self.model.stages)}  # type: ignore[union-attr]
         h = x
         for s in range(self.n_stages):
-            if self.owner(s) != self.ctx.rank:
+            if self.owner(s) != self.me:
                 continue
-            if s > 0 and self.owner(s - 1) != self.ctx.rank:
+            if s > 0 and self.owner(s - 1) != self.me:
                 h = self._recv(self.owner(s - 1))
             h = local[s](h)
-            if s < self.n_stages - 1 and self.owner(s + 1) != self.ctx.rank:
+            if s < self.n_stages - 1 and self.owner(s + 1) != self.me:
                 self._send(h, self.owner(s + 1))
         return self._broadcast(h if self.n_stages - 1 in self.mine else None, self.owner(self.n_stages - 1))
 
     def _send(self, t: torch.Tensor, to: int) -> None:
-        dist.send(_header(t), self._global(to), group=self.group)
-        dist.send(t.contiguous(), self._global(to), group=self.group)
+        send_tensor(t, self._global(to), self.group)
 
     def _recv(self, frm: int) -> torch.Tensor:
-        header = torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
-        dist.recv(header, self._global(frm), group=self.group)
-        t = torch.empty(_shape(header), device=self.ctx.device)
-        dist.recv(t, self._global(frm), group=self.group)
-        return t
+        return recv_tensor(self._global(frm), self.group, self.ctx.device)
 
     def _broadcast(self, t: torch.Tensor | None, src: int) -> torch.Tensor:
-        header = _header(t) if t is not None else torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
-        dist.broadcast(header, self._global(src), group=self.group)
-        out = t.contiguous() if t is not None else torch.empty(_shape(header), device=self.ctx.device)
-        dist.broadcast(out, self._global(src), group=self.group)
-        return out
+        return broadcast_tensor(t, self._global(src), self.group, self.ctx.device)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """Every rank's parameters and buffers under the single-process model's names (collective)."""
-        mine = {self._names[id(t)]: t.detach().cpu() for chunk in model.stages  # type: ignore[union-attr]
-                for t in chunk.state_dict(keep_vars=True).values()}
-        parts: list[dict[str, torch.Tensor]] = [{} for _ in range(self.ranks)]
-        dist.all_gather_object(parts, mine, group=self.group)
-        merged = {k: v for part in parts for k, v in part.items()}
-        return {name: merged[name] for name in self._order if name in merged}
+        return gather_state_dict(list(model.stages), self._names, self._order, self.ranks,  # type: ignore[arg-type]
+                                 self.group)
+
+
+def gather_state_dict(modules: list[nn.Module], names: dict[int, str], order: list[str], ranks: int,
+                      group: Any = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from the parts each rank holds (collective): `names` maps a tensor's
+    id to its name in the single-process model, `order` is that model's order."""
+    mine = {names[id(t)]: t.detach().cpu() for module in modules for t in module.state_dict(keep_vars=True).values()}
+    parts: list[dict[str, torch.Tensor]] = [mine] if ranks == 1 else [{} for _ in range(ranks)]
+    if ranks > 1:
+        dist.all_gather_object(parts, mine, group=group)
+    merged = {k: v for part in parts for k, v in part.items()}
+    return {name: merged[name] for name in order if name in merged}
+
+
+def share_value(value: float, src: int, group: Any = None) -> float:
+    """Global rank `src`'s number on every rank (e.g. the last stage's loss, for every rank's step row)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(t, src=src, group=group)
+    return float(t.item())
+
+
+def send_tensor(t: torch.Tensor, dst: int, group: Any = None) -> None:
+    """A tensor of any shape to global rank `dst`: its shape first (outside a schedule: evaluation)."""
+    dist.send(_header(t), dst, group=group)
+    dist.send(t.contiguous(), dst, group=group)
+
+
+def recv_tensor(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    """What `send_tensor` sent from global rank `src`."""
+    header = torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
+    dist.recv(header, src, group=group)
+    t = torch.empty(_shape(header), device=device)
+    dist.recv(t, src, group=group)
+    return t
+
+
+def broadcast_tensor(t: torch.Tensor | None, src: int, group: Any, device: torch.device) -> torch.Tensor:
+    """Global rank `src`'s tensor (given there, None elsewhere) on every rank of `group`."""
+    header = _header(t) if t is not None else torch.zeros(SHAPE_SLOTS, dtype=torch.int64)
+    dist.broadcast(header, src, group=group)
+    out = t.contiguous() if t is not None else torch.empty(_shape(header), device=device)
+    dist.broadcast(out, src, group=group)
+    return out
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:

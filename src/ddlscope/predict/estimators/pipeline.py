@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
@@ -22,22 +23,29 @@ class PipelineEstimator(Estimator):
     """
 
     def cluster(self, spec: PipelineSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        p, w = case.cluster.n_gpus, case.workload
+        n, w = case.cluster.n_gpus, case.workload
+        p = spec.pipeline_ranks(n)
+        # a stage computes 1/p of the model on 1/dp of the batch: a data-parallel worker's compute
         compute_s = pst.compute_s(w, case.cluster) * case.stragglers  # the slowest stage sets the pace
         idle_s = compute_s * bubble_fraction(p, spec.micro_batches, spec.chunks, spec.schedule)
-        step_s = compute_s + idle_s
+        # dp > 1: each stage's gradients all-reduced over its dp replicas (not overlapped), ranks a node apart
+        comm_s = 0.0
+        if spec.dp > 1:
+            comm_s = float(coll.all_reduce_s(w.params * case.weight_bytes_per_param / p, spec.dp,
+                                             max(1, case.cluster.gpus_per_node // p), case.cluster.node))
+        step_s = compute_s + idle_s + comm_s
         memory, _ = self.cluster_memory(spec, case)
-        est = pst.StrategyEstimate("pipeline", p, step_s, compute_s, 0.0, idle_s, memory,
-                                   w.batch_per_worker * p / step_s,
+        est = pst.StrategyEstimate("pipeline", n, step_s, compute_s, comm_s, idle_s + comm_s, memory,
+                                   w.batch_per_worker * n / step_s,
                                    notes=[f"bubble {idle_s / compute_s:.0%} of compute; activation sends "
                                           "between stages not priced"])
         single = w.batch_per_worker / pst.compute_s(w, case.cluster)
         est.speedup_vs_single = est.samples_per_s / single
-        est.scaling_efficiency = est.speedup_vs_single / p
+        est.scaling_efficiency = est.speedup_vs_single / n
         return est
 
     def cluster_memory(self, spec: PipelineSpec, case: ClusterCase) -> tuple[float, float | None]:
-        p, m = case.cluster.n_gpus, spec.micro_batches
+        p, m = spec.pipeline_ranks(case.cluster.n_gpus), spec.micro_batches
         if p * spec.chunks > case.workload.layers:
             return math.inf, None  # more stages than blocks (the case's units): no such pipeline
         # stage 0's layers (1/p of the model) for the micro-batches it holds: a DP worker's
@@ -46,7 +54,7 @@ class PipelineEstimator(Estimator):
         return case.replicated_state_bytes / p + case.activation_bytes * held / m, None
 
     def cluster_notes(self, spec: PipelineSpec, case: ClusterCase) -> list[str]:
-        stages = case.cluster.n_gpus * spec.chunks
+        stages = spec.pipeline_ranks(case.cluster.n_gpus) * spec.chunks
         if stages > case.workload.layers:
             return [f"{stages} stages (one per GPU) but the model has {case.workload.layers} blocks: cannot run"]
         return []
@@ -59,17 +67,19 @@ class PipelineEstimator(Estimator):
         return stretch / case.world
 
     def local_optimizer_bytes(self, spec: PipelineSpec, case: LocalCase) -> float:
-        return case.param_bytes / case.world
+        return case.param_bytes / spec.pipeline_ranks(case.world)
 
     def local_memory(self, spec: PipelineSpec, case: LocalCase) -> dict[str, dict[str, int]]:
-        mine = int(case.param_bytes / case.world)
-        return {"worker": {"parameters": mine, "gradients": mine,
-                           "optimizer": int(case.param_bytes / case.world) * state_tensors(case)}}
+        mine = int(case.param_bytes / spec.pipeline_ranks(case.world))
+        return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
 
     def local_comm(self, spec: PipelineSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         """The bubble, as waiting, on the compute the local model gives one rank. The sends between
         stages are left out (on loopback they are a small part of the waits; docs/modelparallel.md)."""
-        idle_s = (step.forward_s + step.backward_s) * bubble_fraction(case.world, spec.micro_batches, spec.chunks,
+        p = spec.pipeline_ranks(case.world)
+        idle_s = (step.forward_s + step.backward_s) * bubble_fraction(p, spec.micro_batches, spec.chunks,
                                                                       spec.schedule)
-        return LocalComm(idle_s, notes=["pipeline: the bubble priced from the schedule's formula; the sends "
-                                        "between stages are not priced"])
+        notes = ["pipeline: the bubble priced from the schedule's formula; the sends between stages are not priced"]
+        if spec.dp > 1:
+            notes.append("pipeline dp > 1: the replicas' gradient all-reduce is not priced on this machine")
+        return LocalComm(idle_s, notes=notes)

@@ -22,35 +22,38 @@ class TPEstimator(Estimator):
     s h b bytes unit), a rough stand-in the cluster case has no better figure for."""
 
     def cluster(self, spec: TPSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        t, w = case.cluster.n_gpus, case.workload
+        w = case.workload
+        t = spec.tp_degree(case.cluster.n_gpus)
         compute_s = pst.compute_s(w, case.cluster) * case.stragglers
-        global_batch = w.batch_per_worker * t
-        activation_bytes = w.activation_bytes_per_sample * global_batch / max(w.layers, 1) / 34 * 2
+        global_batch = w.batch_per_worker * case.cluster.n_gpus
+        # a tp group's batch (1/dp of the global one) crosses its all-reduces
+        activation_bytes = w.activation_bytes_per_sample * global_batch / spec.dp / max(w.layers, 1) / 34 * 2
         per_all_reduce = float(coll.all_reduce_s(activation_bytes, t, min(t, case.cluster.gpus_per_node),
                                                  case.cluster.node))
         comm_s = 4 * max(w.layers, 1) * per_all_reduce
         step_s = compute_s + comm_s
         memory, _ = self.cluster_memory(spec, case)
-        est = pst.StrategyEstimate("tp", t, step_s, compute_s, comm_s, comm_s, memory, global_batch / step_s,
+        est = pst.StrategyEstimate("tp", case.cluster.n_gpus, step_s, compute_s, comm_s, comm_s, memory, global_batch / step_s,
                                    notes=["tensor-parallel all-reduces not overlapped (Megatron-LM)"])
         single = w.batch_per_worker / pst.compute_s(w, case.cluster)
         est.speedup_vs_single = est.samples_per_s / single
-        est.scaling_efficiency = est.speedup_vs_single / t
+        est.scaling_efficiency = est.speedup_vs_single / case.cluster.n_gpus
         return est
 
     def cluster_notes(self, spec: TPSpec, case: ClusterCase) -> list[str]:
-        if case.cluster.n_gpus > case.cluster.gpus_per_node:
-            return [f"tensor parallel over {case.cluster.n_gpus} GPUs crosses nodes: not modelled (Megatron-LM keeps "
+        if spec.tp_degree(case.cluster.n_gpus) > case.cluster.gpus_per_node:
+            return [f"tensor parallel over {spec.tp_degree(case.cluster.n_gpus)} GPUs crosses nodes: not modelled (Megatron-LM keeps "
                     "it within a node; combine with data or pipeline parallelism, `ddlscope plan`)"]
         return []
 
     def cluster_memory(self, spec: TPSpec, case: ClusterCase) -> tuple[float, float | None]:
-        t = case.cluster.n_gpus
+        t = spec.tp_degree(case.cluster.n_gpus)
         if t > case.cluster.gpus_per_node:
             return math.inf, None  # see cluster_notes
-        # activations: a worker's batch is 1/t of the global one; TP keeps about (10 + 24/t)/34 of the
-        # whole batch's per rank (Korthikanti et al. 2022), i.e. t (10 + 24/t)/34 of a worker's
-        return case.replicated_state_bytes / t + case.activation_bytes * t * (10 + 24 / t) / 34, None
+        # activations: a worker's batch is 1/(dp t) of the global one; TP keeps about (10 + 24/t)/34 of
+        # its group's batch (1/dp of the global one) per rank (Korthikanti et al. 2022), i.e. t (10 + 24/t)/34
+        # of a worker's; FSDP over dp shards the states dp ways more
+        return case.replicated_state_bytes / case.cluster.n_gpus + case.activation_bytes * t * (10 + 24 / t) / 34, None
 
     def local_compute_stretch(self, spec: TPSpec, case: LocalCase) -> float | None:
         """1/t of the blocks' compute on the whole batch (the rest replicated is counted whole: an
@@ -58,10 +61,10 @@ class TPEstimator(Estimator):
         return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0] / case.world
 
     def local_optimizer_bytes(self, spec: TPSpec, case: LocalCase) -> float:
-        return _rank_param_bytes(case)
+        return _rank_param_bytes(spec, case)
 
     def local_memory(self, spec: TPSpec, case: LocalCase) -> dict[str, dict[str, int]]:
-        mine = int(_rank_param_bytes(case))
+        mine = int(_rank_param_bytes(spec, case))
         return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
 
     def local_comm(self, spec: TPSpec, case: LocalCase, step: LocalStep) -> LocalComm:
@@ -70,8 +73,9 @@ class TPEstimator(Estimator):
         return LocalComm(0.0, notes=["tp: the activation all-reduces are not priced on this machine yet"])
 
 
-def _rank_param_bytes(case: LocalCase) -> float:
+def _rank_param_bytes(spec: TPSpec, case: LocalCase) -> float:
     """The blocks (the facts' FSDP units) split t ways, the rest (embeddings, final norm, head: the root)
-    whole; the blocks' norms and rowwise biases, replicated too, are left in the split (small)."""
+    whole, then everything dp ways by FSDP; the blocks' norms and rowwise biases, replicated by tp, are
+    left in the split (small)."""
     units = case.facts["fsdp_units"]
-    return sum(units[:-1]) / case.world + units[-1]
+    return (sum(units[:-1]) / spec.tp_degree(case.world) + units[-1]) / spec.dp

@@ -47,6 +47,9 @@ class PipelineSpec(StrategySpec):
         description="cut points into the layer sequence (GPT: 0 = embedding, 1..L = blocks, L+1 = head): "
                     "stages x chunks - 1 increasing indices where a stage starts; empty: equal blocks per stage")
 
+    dp: int = Field(1, ge=1, description="data-parallel degree: world_size = dp x pipeline ranks; each pipeline "
+                                         "replica takes 1/dp of the batch and the replicas average gradients "
+                                         "(an all-reduce over the dp ranks of a stage) before the optimizer step")
     recompute: list[int] = Field(
         default_factory=list, description="stages (indices) that keep only their input per micro-batch and "
                                           "recompute their activations in backward (torch.utils.checkpoint)")
@@ -68,11 +71,15 @@ class PipelineSpec(StrategySpec):
         if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:
             raise ConfigError("checkpoint_every: strategy pipeline does not checkpoint yet (each rank holds other "
                               "layers); drop checkpoints and cluster.max_restarts")
-        stages = exp.cluster.world_size * self.chunks
+        if exp.cluster.world_size % self.dp:
+            raise ConfigError(f"strategy.dp = {self.dp}: cluster.world_size = {exp.cluster.world_size} must be "
+                              "dp x pipeline ranks, a multiple of it")
+        pp = self.pipeline_ranks(exp.cluster.world_size)
+        stages = pp * self.chunks
         units = layers + EXTRA_LAYERS
         if stages > units:
             raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: {stages} stages "
-                              f"({exp.cluster.world_size} ranks x {self.chunks} per rank) but the model has only "
+                              f"({pp} {'pipeline ' if self.dp > 1 else ''}ranks x {self.chunks} per rank) but the model has only "
                               f"{units} layers ({layers} blocks + embedding + head)")
         if self.partition:
             check_cuts(self.partition, stages, units)
@@ -81,13 +88,18 @@ class PipelineSpec(StrategySpec):
                               "the equal-layer default needs a block per stage (give strategy.partition)")
         if any(not 0 <= s < stages for s in self.recompute):
             raise ConfigError(f"strategy.recompute = {self.recompute}: stage indices must be within 0..{stages - 1}")
-        if exp.workload.batch_size % self.micro_batches:
+        if exp.workload.batch_size % (self.micro_batches * self.dp):
+            times_dp = f" x strategy.dp = {self.micro_batches * self.dp}" if self.dp > 1 else ""
             raise ConfigError(f"workload.batch_size = {exp.workload.batch_size}: must be divisible by "
-                              f"strategy.micro_batches = {self.micro_batches}")
-        rounds = max(1, self.micro_batches // exp.cluster.world_size)
+                              f"strategy.micro_batches = {self.micro_batches}{times_dp}")
+        rounds = max(1, self.micro_batches // pp)
         if self.schedule in MULTI_STAGE_SCHEDULES and self.micro_batches % rounds:
             raise ConfigError(f"strategy.micro_batches = {self.micro_batches}: schedule {self.schedule!r} needs a "
                               f"multiple of micro_batches // world_size = {rounds}")
+
+    def pipeline_ranks(self, world_size: int) -> int:
+        """Ranks in one pipeline (world_size / dp)."""
+        return world_size // self.dp
 
     def cuts(self, layers: int, ranks: int) -> list[int]:
         """Where each stage starts, over the layer sequence of a GPT with `layers` blocks."""

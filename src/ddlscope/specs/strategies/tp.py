@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from pydantic import Field
+
 from ddlscope.specs.base import ConfigError
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
 
@@ -22,15 +24,30 @@ class TPSpec(StrategySpec):
     advice = "when one layer's weights or activations are too large for a device and ranks share a fast link"
 
     name: Literal["tp"] = "tp"
+    dp: int = Field(1, ge=1, description="data-parallel degree: world_size = dp x tp; each group of tp ranks "
+                                         "takes 1/dp of the batch, FSDP2 shards its states over the dp ranks "
+                                         "(a 2-D DeviceMesh, FSDP x TP)")
+
+    def tp_degree(self, world_size: int) -> int:
+        """Ranks that split each block (world_size / dp)."""
+        return world_size // self.dp
 
     def check_experiment(self, exp: "Experiment") -> None:
         heads = getattr(exp.workload, "heads", None)
         if not isinstance(heads, int) or not hasattr(exp.workload, "layers"):
             raise ConfigError(f"workload.name = {exp.workload.name!r}: strategy tp splits a transformer's heads; "
                               "use a GPT workload (gpt-char, gpt-synthetic)")
-        t = exp.cluster.world_size
+        if exp.cluster.world_size % self.dp:
+            raise ConfigError(f"strategy.dp = {self.dp}: cluster.world_size = {exp.cluster.world_size} must be "
+                              "dp x tp, a multiple of it")
+        if exp.workload.batch_size % self.dp:
+            raise ConfigError(f"workload.batch_size = {exp.workload.batch_size}: must be divisible by "
+                              f"strategy.dp = {self.dp}")
+        t = self.tp_degree(exp.cluster.world_size)
         if heads % t:
-            raise ConfigError(f"cluster.world_size = {t}: strategy tp needs the heads ({heads}) divisible by it")
+            degree = "it" if self.dp == 1 else f"its tp degree {t} (world_size / dp)"
+            raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: strategy tp needs the heads ({heads}) "
+                              f"divisible by {degree}")
         if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:
             raise ConfigError("checkpoint_every: strategy tp does not checkpoint yet; drop checkpoints and "
                               "cluster.max_restarts")

@@ -1,0 +1,110 @@
+"""Why a measured pipeline bubble differs from (p - 1)/m on this machine.
+
+Two ranks run the runtime's loop with `pipeline` (GPipe and 1F1B, m = 2, 4, 8) on tests/test_pipeline.py's
+timed GPT, and measure a blocking loopback send/recv of one micro-batch's activation (ping-pong). Per
+rank it prints: the measured idle / compute (median over steps 1..), the formula (p - 1)/m, torch's action
+order played out with the ranks' own measured forward and backward times (predict/partition.py:
+stage_bubbles: unequal stages), and that plus (m + 1) waits a step at the measured one-way transfer time.
+Usage:
+
+    PYTHONPATH=src python benchmarks/pipeline_bubble.py [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ddlscope.predict.partition import bubble_fraction, stage_bubbles
+from ddlscope.runtime.config import load_experiment
+from ddlscope.runtime.loop import train
+from ddlscope.runtime.rows import RowWriter, read_records
+from ddlscope.strategies import runtime_class
+from ddlscope.strategies.base import RunContext
+from ddlscope.workloads import WORKLOADS
+
+WORLD = 2
+GPT = {"workload.name": "gpt-synthetic", "workload.layers": 4, "workload.hidden": 192, "workload.heads": 4,
+       "workload.seq_len": 64, "workload.batch_size": 32, "workload.optimizer": "sgd", "workload.lr": 0.5,
+       "workload.eval_batches": 1, "seed": 5, "strategy.name": "pipeline", "cluster.world_size": WORLD}
+CELLS = [(schedule, m) for schedule in ("gpipe", "1f1b") for m in (2, 4, 8)]
+
+
+def one_way_s(numel: int, repeats: int = 20) -> float:
+    """Half the median round trip of a blocking send + recv of `numel` floats between ranks 0 and 1."""
+    t = torch.zeros(numel)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / 2
+
+
+def worker(rank: int, port: int, out: str, steps: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    sizes = {m: GPT["workload.batch_size"] // m * GPT["workload.seq_len"] * GPT["workload.hidden"] for _, m in CELLS}
+    transfer = {m: one_way_s(n) for m, n in sizes.items()}
+    for schedule, m in CELLS:
+        exp = load_experiment(None, {**GPT, "workload.steps": steps, "strategy.schedule": schedule,
+                                     "strategy.micro_batches": m})
+        ctx = RunContext(rank, WORLD, rank, 0, torch.device("cpu"), "gloo", exp)
+        task = WORKLOADS.get("gpt-synthetic").build(exp.workload, exp.seed)
+        path = Path(out) / f"{schedule}-{m}-{rank}.jsonl"
+        writer = RowWriter(path, rank)
+        train(task, runtime_class(exp.strategy)(exp.strategy, ctx), ctx, writer)
+        writer.close()
+        rows = [r for r in read_records(path) if r.get("kind") == "step" and r["step"] >= 1]
+        (Path(out) / f"{schedule}-{m}-{rank}.json").write_text(json.dumps(
+            {"rows": rows, "transfer_s": transfer[m]}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    out = tempfile.mkdtemp()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(port, out, args.steps), nprocs=WORLD, join=True, start_method="spawn")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    print("| schedule | m | rank | fwd / bwd ms | idle ms | measured | (p-1)/m | played out | + (m+1) waits "
+          "| one-way transfer ms | wall/CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for schedule, m in CELLS:
+        runs = [json.loads((Path(out) / f"{schedule}-{m}-{r}.json").read_text()) for r in range(WORLD)]
+        forward = [statistics.median(x["forward_s"] for x in run["rows"]) for run in runs]
+        backward = [statistics.median(x["backward_s"] for x in run["rows"]) for run in runs]
+        compute = [f + b for f, b in zip(forward, backward)]
+        unequal = stage_bubbles(schedule, forward, backward, m)
+        waited = stage_bubbles(schedule, forward, backward, m, m + 1, statistics.fmean(r["transfer_s"] for r in runs))
+        for rank, run in enumerate(runs):
+            idle = statistics.median(x["comm_wait_s"] for x in run["rows"])
+            cpu = statistics.median(x["compute_cpu_s"] for x in run["rows"])
+            print(f"| {schedule} | {m} | {rank} | {forward[rank] * 1e3:.0f} / {backward[rank] * 1e3:.0f} | {idle * 1e3:.1f} | "
+                  f"{idle / compute[rank]:.3f} | {bubble_fraction(WORLD, m):.3f} | {unequal[rank]:.3f} | {waited[rank]:.3f} | "
+                  f"{run['transfer_s'] * 1e3:.2f} | {compute[rank] / cpu:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
