@@ -44,3 +44,10 @@ class GlobalBatchSampler:
 
     def rank_batch(self, step: int, rank: int, per_rank: int) -> torch.Tensor:
         return self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
+
+    def sized_rank_batch(self, step: int, rank: int, sizes: list[int]) -> torch.Tensor:
+        """Rank r's slice of step k's global batch when ranks take `sizes` samples each (sum: the batch)."""
+        if sum(sizes) != self.batch_size:
+            raise ValueError(f"per-rank batches {sizes} do not add up to the global batch {self.batch_size}")
+        start = sum(sizes[:rank])
+        return self.global_batch(step)[start:start + sizes[rank]]

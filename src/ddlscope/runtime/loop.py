@@ -109,7 +109,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
         timer.start(clock())
         with timer.phase("data"):
             x, y = (t.to(device, non_blocking=True)
-                    for t in task.train.get(sampler.rank_batch(step, data_rank, per_rank)))
+                    for t in task.train.get(strategy.batch_indices(sampler, step, data_rank, per_rank)))
         with meter.measure() if measuring else nullcontext():
             loss_value = strategy.train_step((x, y), timer)
         if measuring:

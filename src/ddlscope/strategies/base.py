@@ -98,8 +98,19 @@ class Strategy(ABC):
         with timer.phase("forward"):
             loss = self.loss_fn(self.model(x), y)
         with timer.phase("backward"):
-            loss.backward()
+            weight = self.loss_weight()
+            (loss if weight == 1.0 else loss * weight).backward()
         return loss
+
+    def batch_indices(self, sampler: Any, step: int, rank: int, per_rank: int) -> torch.Tensor:
+        """The sample ids this rank trains on at `step` (runtime/data.py's GlobalBatchSampler): an equal
+        slice of the global batch by default; strategies/batching.py splits it by speed."""
+        return sampler.rank_batch(step, rank, per_rank)
+
+    def loss_weight(self) -> float:
+        """What this rank's mean loss is multiplied by before backward: 1, or its share of a split batch
+        times the workers (strategies/batching.py), so that averaging over workers stays exact."""
+        return 1.0
 
     def synchronize(self, model: nn.Module) -> None:
         """Explicit communication after backward and before the optimizer step (none by default)."""

@@ -17,14 +17,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddlscope.specs.strategies.ddp import DDPSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.base import Strategy
+from ddlscope.strategies.batching import SplitBatch
 from ddlscope.strategies.comm import CommRecorder
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 @RUNTIMES.register(DDPSpec)
-class DDP(Strategy):
+class DDP(SplitBatch):  # batch_split: strategies/batching.py
     spec: DDPSpec
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -6,7 +6,7 @@ import math
 
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
-from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
+from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, split_slowdowns
 from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required
 from ddlscope.specs.strategies.ddp import DDPSpec
 
@@ -14,7 +14,8 @@ from ddlscope.specs.strategies.ddp import DDPSpec
 @ESTIMATORS.register(DDPSpec)
 class DDPEstimator(Estimator):
     def cluster(self, spec: DDPSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        return pst.ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb, slowdowns=case.slowdowns)
+        return pst.ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb,
+                       slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
 
     def cluster_memory(self, spec: DDPSpec, case: ClusterCase) -> tuple[float, float | None]:
         return case.replicated_state_bytes + 2 * spec.bucket_mb * 2**20 + case.activation_bytes, None

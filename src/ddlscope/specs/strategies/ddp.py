@@ -7,13 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
+from ddlscope.specs.strategies.batching import HeteroBatchKnobs
+from ddlscope.specs.strategy import Traits, strategy_spec
 
 _POWERSGD_CALL = re.compile(r"^powersgd\((\d+)\)$")
 
 
 @strategy_spec
-class DDPSpec(StrategySpec):
+class DDPSpec(HeteroBatchKnobs):  # batch_split, worker_speeds: specs/strategies/batching.py
     traits = Traits(family="collective", simplicity=1)
     description = "torch DistributedDataParallel: bucketed all-reduce overlapped with backward; fp16/PowerSGD hooks"
     advice = "the main study's choice for a homogeneous, gang-scheduled cluster whose model fits"
