@@ -17,7 +17,7 @@ import torch
 from pydantic import ValidationError
 
 from ddlscope.specs import ConfigError
-from ddlscope.specs.strategies.batching import split_batch, step_slowdowns
+from ddlscope.specs.strategies.batching import balanced_split, split_batch, step_slowdowns
 
 STEPS = 7
 BATCH = 32
@@ -25,10 +25,11 @@ COMMON = {"workload.name": "mlp-digits", "workload.steps": STEPS, "workload.batc
           "workload.lr": 0.2, "workload.momentum": 0.5, "workload.eval_batches": 1, "seed": 3}
 CONFIGS: dict[str, dict[str, Any]] = {
     "ddp": {"strategy.name": "ddp"},
-    # equal speeds: the measured throughputs differ only by noise; re-split every 2 steps
-    "dbs-equal": {"strategy.name": "dbs", "strategy.resplit_every_steps": 2},
+    # equal speeds: the measured throughputs differ only by noise; re-split at steps 3 and 6 (steps 0-1
+    # are not measured: one-off costs)
+    "dbs-equal": {"strategy.name": "dbs", "strategy.resplit_every_steps": 3},
     # rank 1 three times slower: its batch must shrink after the first re-split
-    "dbs-straggler": {"strategy.name": "dbs", "strategy.resplit_every_steps": 2, "cluster.slowdown": [1, 3]},
+    "dbs-straggler": {"strategy.name": "dbs", "strategy.resplit_every_steps": 3, "cluster.slowdown": [1, 3]},
     "ddp-declared": {"strategy.name": "ddp", "strategy.batch_split": "declared", "strategy.worker_speeds": [3, 1]},
 }
 
@@ -50,6 +51,16 @@ def test_split_batch_refuses_what_it_cannot_split():
         split_batch(1, [1, 1])
     with pytest.raises(ValueError, match="positive"):
         split_batch(8, [1, 0])
+
+
+def test_balanced_split_equalises_time_and_reduces_to_dbs_without_overhead():
+    assert balanced_split(256, [0, 0], [1, 2]) == split_batch(256, [1, 0.5]) == [171, 85]
+    sizes = balanced_split(256, [10, 20], [1, 2])  # 10 + b0 = 20 + 2 b1, b0 + b1 = 256
+    assert sizes == [174, 82]
+    # a straggler whose overhead alone exceeds the other's whole step keeps one sample
+    assert balanced_split(32, [1, 30], [0.01, 0.03]) == [31, 1]
+    with pytest.raises(ValueError, match="positive"):
+        balanced_split(32, [0, 0], [1, 0])
 
 
 def test_step_slowdowns_balance_a_straggler():
@@ -207,21 +218,19 @@ def test_dbs_equals_ddp_and_moves_the_batch_to_the_fast_worker(trained):
     assert max_difference(models["dbs-equal"], models["ddp"]) < 1e-6
     assert max_difference(models["dbs-straggler"], models["ddp"]) < 1e-6  # re-split, still exact
     even = _samples(trained, "dbs-equal")
-    assert all(a + b == BATCH for a, b in even) and even[:2] == [(16, 16)] * 2
-    assert all(abs(a - b) <= 16 for a, b in even[2:])  # noise, not a 3:1 split
+    assert all(a + b == BATCH for a, b in even) and even[:3] == [(16, 16)] * 3
+    assert all(abs(a - b) <= 16 for a, b in even[3:]), even  # noise, not a 3:1 split
     uneven = _samples(trained, "dbs-straggler")
-    assert uneven[:2] == [(16, 16)] * 2  # nothing measured before the first re-split at step 2
-    assert all(a + b == BATCH for a, b in uneven)
-    # The first re-split measured equal batches: a 3x slower worker's throughput is a third, so it gets
-    # about a quarter of the batch (8 of 32); bounded both ways.
-    assert 4 <= uneven[2][1] <= 11 and uneven[3] == uneven[2], uneven
-    # Later splits measured it on its smaller batch; this tiny model's step is mostly per-op overhead, so
-    # its throughput looks lower still and its share keeps shrinking (docs/dataparallel.md), never growing.
-    assert all(1 <= b <= uneven[2][1] for _, b in uneven[4:]), uneven
-    # the re-split's all-gather is counted: 8 bytes more on re-split steps
+    assert all(a + b == BATCH for a, b in uneven) and uneven[:3] == [(16, 16)] * 3
+    # The first re-split (step 3) measured equal batches: a 3x slower worker's throughput is a third, so
+    # it gets about a quarter of the batch (8 of 32); bounded both ways.
+    assert 4 <= uneven[3][1] <= 11 and uneven[4] == uneven[5] == uneven[3], uneven
+    # The second (step 6) may fit an overhead from the two batch sizes; the straggler stays below half.
+    assert 1 <= uneven[6][1] < 16, uneven
+    # the re-split's all-gather of (overhead, per-sample time) is counted: 16 bytes more on re-split steps
     sent = [r["bytes_sent"] for r in trained[0]["rows"]["dbs-equal"]]
     ddp_sent = trained[0]["rows"]["ddp"][0]["bytes_sent"]
-    assert sent == [ddp_sent + (8 if s in (2, 4, 6) else 0) for s in range(STEPS)]
+    assert sent == [ddp_sent + (16 if s in (3, 6) else 0) for s in range(STEPS)]
 
 
 # -- the parameter servers: two workers and a server, the real loop and server loop -------------

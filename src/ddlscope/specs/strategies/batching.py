@@ -44,6 +44,31 @@ def split_batch(total: int, speeds: Sequence[float]) -> list[int]:
     return sizes
 
 
+def balanced_split(total: int, overhead_s: Sequence[float], per_sample_s: Sequence[float]) -> list[int]:
+    """The split that gives every worker the same compute time when worker r takes overhead_s[r] +
+    per_sample_s[r] x b_r for b_r samples (at least one each), rounded by `split_batch`.
+
+    With no overhead this is the throughput-proportional split of DBS (b_r ~ 1 / per_sample_s[r]); an
+    overhead keeps a slow worker's share from collapsing when a smaller batch does not make it faster.
+    """
+    n = len(per_sample_s)
+    if any(not math.isfinite(c) or c <= 0 for c in per_sample_s) or any(
+            not math.isfinite(a) or a < 0 for a in overhead_s):
+        raise ValueError(f"per-sample times must be positive and overheads >= 0, got {list(per_sample_s)}, "
+                         f"{list(overhead_s)}")
+    floor = [False] * n  # workers held at one sample: their time is above the common one
+    while True:
+        free = [r for r in range(n) if not floor[r]]
+        left = total - (n - len(free))
+        common_s = (left + sum(overhead_s[r] / per_sample_s[r] for r in free)) / sum(1 / per_sample_s[r] for r in free)
+        ideal = [1.0 if floor[r] else (common_s - overhead_s[r]) / per_sample_s[r] for r in range(n)]
+        below = [r for r in free if ideal[r] < 1.0]
+        if not below:
+            return split_batch(total, ideal)
+        for r in below:
+            floor[r] = True
+
+
 def step_slowdowns(slowdowns: Sequence[float], speeds: Sequence[float] | None) -> list[float]:
     """Each worker's compute time per step relative to an equal split's homogeneous one, when it gets a
     share of the batch proportional to `speeds` (None: an equal share) and computes `slowdowns` times
