@@ -9,8 +9,9 @@ at most (1 - 2/3) / (1 - 1/2) = 67% of the gap closed, plus whatever the
 all-reduce costs that does not scale with compute.
 
 Each configuration runs `--epochs` epochs of the main study's accuracy
-workload (cnn-digits, channels 16, global batch 256: 1437 training images,
-5 steps an epoch) on 2 ranks, through the real launcher; the three are run
+workload (cnn-digits, global batch 256: 1437 training images, 5 steps an
+epoch; `--channels` 64 by default, the study's 16 makes an epoch about 0.1 s,
+too short to time on a shared machine) on 2 ranks, through the real launcher; the three are run
 interleaved `--repeats` times so machine noise lands on all of them. An
 epoch's time is, on rank 0's clock, from the start of its first step to the
 start of the next epoch's first step (the end of the last step for the last
@@ -41,12 +42,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
 BATCH = 256
 
 
-def experiment(config: dict[str, Any], epochs: int, steps_per_epoch: int) -> Any:
+def experiment(config: dict[str, Any], epochs: int, steps_per_epoch: int, channels: int = 16) -> Any:
     from ddlscope.runtime.config import experiment_from_dict
 
     return experiment_from_dict({
         "seed": 0,
-        "workload": {"name": "cnn-digits", "channels": 16, "batch_size": BATCH, "steps": epochs * steps_per_epoch,
+        "workload": {"name": "cnn-digits", "channels": channels, "batch_size": BATCH, "steps": epochs * steps_per_epoch,
                      "eval_every": 0, "lr": 0.1, "momentum": 0.8},
         "strategy": config["strategy"],
         "cluster": {"world_size": 2, "slowdown": config["slowdown"]},
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--channels", type=int, default=64,
+                        help="cnn-digits channels: 64 makes an epoch long enough to time on a shared machine")
     args = parser.parse_args(argv)
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (the first is left out)")
@@ -91,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for label, config in CONFIGS.items():
                 store = Path(tmp) / "bench.db"
-                epochs, splits = epoch_times(store, experiment(config, args.epochs, steps_per_epoch), steps_per_epoch)
+                epochs, splits = epoch_times(store, experiment(config, args.epochs, steps_per_epoch, args.channels),
+                                              steps_per_epoch)
                 means[label].append(statistics.mean(epochs[1:]))
                 last_split[label] = splits[-1]
                 print(f"repeat {repeat}: {label:18} epochs " + " ".join(f"{e:.3f}" for e in epochs)
-                      + f" s; last step's batches {splits[-1]}", flush=True)
+                      + " s; batches per epoch " + " ".join(str(splits[e]) for e in range(0, len(splits), steps_per_epoch)),
+                      flush=True)
     load_after = os.getloadavg()
     median = {label: statistics.median(values) for label, values in means.items()}
     homogeneous, straggler, dbs = (median[k] for k in CONFIGS)
-    print(f"\ncnn-digits, global batch {BATCH}, 2 ranks, {steps_per_epoch} steps an epoch, {args.epochs} epochs, "
+    print(f"\ncnn-digits (channels {args.channels}), global batch {BATCH}, 2 ranks, {steps_per_epoch} steps an epoch, {args.epochs} epochs, "
           f"median of {args.repeats} repeats of the mean epoch time of epochs 2..{args.epochs}:")
     for label in CONFIGS:
         print(f"  {label:18} {median[label]:.3f} s   (last step's batches {last_split[label]})")

@@ -299,3 +299,40 @@ def test_parameter_servers_split_the_batch_by_speed(trained, served):
     # lock-free: every push is answered before it is applied, so each worker's later pushes are at least
     # one update stale (its own)
     assert min(u["staleness"] for u in updates if u["worker_step"] > 0) >= 1
+
+
+# -- the study ------------------------------------------------------------------------------------
+def test_the_study_runs_dbs_and_the_static_splits_and_reads_the_three_step_times():
+    from test_dataparallel_study import _result
+
+    from ddlscope.studies import STUDIES
+
+    study = STUDIES.get("dataparallel")()
+    quick = {c.key: c for c in study.cells(quick=True)}
+    assert {"dbs/fast/straggler/w2", "ddp/fast/homogeneous/w2", "ddp/fast/straggler/w2"} <= quick.keys()
+    full = {c.key: c for c in study.cells(quick=False)}
+    hog = full["ps-async+hogbatch/slow/straggler/w2"].experiment
+    assert (hog.strategy.name, hog.strategy.batch_split, hog.strategy.lock_free) == ("ps-async", "cluster", True)
+    assert hog.cluster.slowdown == [1.0, 2.0]
+    assert full["ddp+speeds/fast/straggler/w2"].experiment.strategy.batch_split == "cluster"
+    assert full["dbs/slow/homogeneous/w2"].experiment.strategy.name == "dbs"
+
+    kb = 150_000.0
+    results = [_result("ddp", "fast", "homogeneous", 0.030, 0.97, kb, 0.002),
+               _result("ddp", "fast", "straggler", 0.060, 0.97, kb, 0.002),
+               _result("dbs", "fast", "straggler", 0.042, 0.97, kb, 0.002),
+               _result("ddp+speeds", "fast", "straggler", 0.045, 0.97, kb, 0.002),
+               _result("ps-async", "fast", "straggler", 0.020, 0.90, kb, 0.001),
+               _result("ps-async+hogbatch", "fast", "straggler", 0.020, 0.93, kb, 0.001)]
+    by_name = {h["headline"]: h for h in study.analyse(results, quick=False).headlines}
+    dbs = by_name["DBS vs DDP with a straggler"]
+    # (60 - 42) / (60 - 30) of the gap
+    assert "step 42.0 ms vs DDP's 60.0 ms with it and 30.0 ms without: 60% of the gap" in dbs["measured"]
+    assert dbs["verdict"].startswith("agrees")
+    static = by_name["Heterogeneity-aware static batching (Hogbatch)"]
+    assert "45.0 ms a step vs 60.0 ms" in static["measured"] and "accuracy 93.0%" in static["measured"]
+    slower = [_result("ddp", "fast", "homogeneous", 0.030, 0.97, kb, 0.002),
+              _result("ddp", "fast", "straggler", 0.060, 0.97, kb, 0.002),
+              _result("dbs", "fast", "straggler", 0.063, 0.97, kb, 0.002)]
+    dbs = {h["headline"]: h for h in study.analyse(slower, quick=True).headlines}["DBS vs DDP with a straggler"]
+    assert "-10% of the gap" in dbs["measured"] and dbs["verdict"].startswith("differs")

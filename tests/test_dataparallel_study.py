@@ -14,12 +14,13 @@ from ddlscope.studies.base import CellResult
 def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     study = STUDIES.get("dataparallel")()
     quick, full = study.cells(quick=True), study.cells(quick=False)
-    assert len(quick) == 8  # about 20 s each here: the quick study stays near 3 minutes
+    assert len(quick) == 8 + 2  # about 20 s each here: the quick study stays near 3-4 minutes (+2: dbs, issue 20)
     strategies = {c.labels["strategy"] for c in full}
-    assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip"} == strategies
+    assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip",
+            "dbs", "ddp+speeds", "ps-async+hogbatch"} == strategies
     regimes = {(c.labels["network"], c.labels["workers"]) for c in full}
     assert regimes == {("fast", "homogeneous"), ("fast", "straggler"), ("slow", "homogeneous"), ("slow", "straggler")}
-    assert len({c.key for c in full}) == len(full) == 36
+    assert len({c.key for c in full}) == len(full) == 36 + 8  # + dbs x 4 regimes, 2 static splits x 2 stragglers
     assert len({c.experiment.workload.steps * c.experiment.workload.batch_size for c in full}) == 1
     compensated = next(c for c in quick if c.labels["strategy"] == "hpsgd+mc")
     plain = next(c for c in full if c.labels["strategy"] == "hpsgd")
@@ -27,7 +28,8 @@ def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     assert plain.experiment.workload.momentum == pytest.approx(0.8)
     # seeds for what varies from run to run (the asynchronous server), not for the deterministic cells
     seeded = study.cells(quick=False, repeats=3)
-    assert len(seeded) - len(full) == 8 and all(c.labels["strategy"] == "ps-async" for c in seeded[len(full):])
+    assert len(seeded) - len(full) == 8 + 4
+    assert all(c.labels["strategy"] in ("ps-async", "ps-async+hogbatch") for c in seeded[len(full):])
 
 
 def _result(strategy: str, network: str, workers: str, step_s: float, accuracy: float,

@@ -1,4 +1,4 @@
-"""`ddlscope study dataparallel`: when and with whom workers synchronise.
+"""`ddlscope study dataparallel`: when and with whom workers synchronise, and how much each one computes.
 
 Local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP and gossip (full study) against DDP (synchronous, every step)
 and asynchronous PS (nobody waits), on the main study's workload, emulated
@@ -6,7 +6,10 @@ networks and straggler (studies/paper.py: cnn-digits, 100 steps of global
 batch 256, so every cell trains on the same samples; the fast and slow
 networks `scaled` to the target GPUs' compute). HPSGD also runs with its
 momentum lowered for the staleness' implicit momentum (the main study's `mc`
-variant). The report gives per cell throughput, exposed communication, bytes
+variant). DBS (re-split batches by measured throughput) runs in every regime,
+ddp with batches by speed (`+speeds`) and async PS with them and lock-free
+updates (`+hogbatch`, Hogbatch) where a straggler makes speeds differ.
+The report gives per cell throughput, exposed communication, bytes
 per step, accuracy at equal samples and time to the target accuracy, the
 papers' claims against what was measured, and which strategy wins in which
 regime, with the numbers behind each verdict.
@@ -17,8 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.studies import STUDIES
-from ddlscope.studies.base import Cell, CellResult, Findings, Study, measurement_notes, median_or_none
+from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes, median_or_none
 from ddlscope.studies.paper import (
     ACCURACY_SETTINGS, MOMENTUM_COMPENSATED, NETWORKS, QUICK_WORKERS, accuracy_cell, repeated)
 
@@ -32,16 +36,50 @@ SUBJECTS = ("localsgd", "diloco", "cocod", "hpsgd", f"hpsgd+{MOMENTUM_COMPENSATE
 REFERENCES = ("ddp", "ps-async")
 REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homogeneous", "straggler"))
 
+# -- heterogeneity-aware batching (issue 20): dbs in every regime; the static split (from the straggler
+# profile) only where workers differ, since with equal workers it is its strategy's equal split.
+BATCHING = "dbs"
+# variants that set strategy knobs: "+speeds" splits the batch by speed, "+hogbatch" also updates lock-free
+KNOB_VARIANTS = {"speeds": {"batch_split": "cluster"}, "hogbatch": {"batch_split": "cluster", "lock_free": True}}
+STATIC_SPLITS = ("ddp+speeds", "ps-async+hogbatch")
 
-def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
+
+def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS, seed: int = 0) -> Cell:
     strategy, _, variant = name.partition("+")
+    if variant in KNOB_VARIANTS:
+        return knob_cell(strategy, variant, network, workers, world, seed)
     return accuracy_cell(SETTING, strategy, network, workers, world, variant)
+
+
+def knob_cell(strategy: str, variant: str, network: str, workers: str, world: int, seed: int = 0) -> Cell:
+    """The strategy's accuracy cell with the variant's knobs set (validated like any config)."""
+    plain = accuracy_cell(SETTING, strategy, network, workers, world, seed=seed)
+    raw = experiment_to_dict(plain.experiment)
+    raw["strategy"] = {**raw["strategy"], **KNOB_VARIANTS[variant]}
+    name = f"{strategy}+{variant}"
+    group = f"{name}/{network}/{workers}/w{world}"
+    labels = {**plain.labels, "strategy": name, "group": group}
+    return build_cell(group if seed == 0 else f"{group}/seed{seed}", labels, raw)
+
+
+def batching_cells(quick: bool) -> list[Cell]:
+    """dbs and the static splits."""
+    if quick:  # the three step times of issue 20 on the fast network (ddp/fast/straggler is there already)
+        return [cell(BATCHING, "fast", "straggler"), cell("ddp", "fast", "homogeneous")]
+    return ([cell(BATCHING, network, workers) for network, workers in REGIMES]
+            + [cell(name, network, "straggler") for network in NETWORKS for name in STATIC_SPLITS])
+
+
+def repeated_knob_cells(cells: list[Cell], repeats: int) -> list[Cell]:
+    """Seeds 1.. of the asynchronous server's knob cells (its order of arrival varies run to run)."""
+    return [cell(c.labels["strategy"], c.labels["network"], c.labels["workers"], seed=seed)
+            for c in cells if c.labels["strategy"] == "ps-async+hogbatch" for seed in range(1, repeats)]
 
 
 @STUDIES.register("dataparallel")
 class DataParallelStudy(Study):
-    description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip vs DDP and async PS on fast/slow networks, "
-                   "with stragglers")
+    description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip, DBS and batches by speed vs DDP and async PS "
+                   "on fast/slow networks, with stragglers")
     cell_columns = ("step ms", "samples/s", "accuracy", "to target s", "wall s", "staleness")
 
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
@@ -53,7 +91,8 @@ class DataParallelStudy(Study):
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
-        return cells + repeated(SETTING, cells, repeats)
+        batching = batching_cells(quick)
+        return cells + batching + repeated(SETTING, cells, repeats) + repeated_knob_cells(batching, repeats)
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
         return _Analysis(results).findings()
@@ -87,7 +126,8 @@ class _Analysis:
         return self.cells.get((strategy, network, workers))
 
     def findings(self) -> Findings:
-        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco()) if h]
+        headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco(),
+                                 self._dbs(), self._static_split()) if h]
         regimes = self._regimes()
         decisions = [line for _, line in regimes]
         table = self._table()
@@ -201,6 +241,40 @@ class _Analysis:
                    else "partly: far less communication, but accuracy fell by more than 2 points")
         return {"headline": "DiLoCo", "paper": "hundreds of times less communication at similar quality (outer "
                 "Nesterov momentum, Douillard et al. 2023)", "measured": measured, "verdict": verdict}
+
+    def _dbs(self) -> dict[str, str] | None:
+        homogeneous, straggler, dbs = (self.get("ddp", "fast"), self.get("ddp", "fast", "straggler"),
+                                       self.get(BATCHING, "fast", "straggler"))
+        if not (homogeneous and straggler and dbs and homogeneous.step_s and straggler.step_s and dbs.step_s):
+            return None
+        gap = straggler.step_s - homogeneous.step_s
+        closed = (straggler.step_s - dbs.step_s) / gap if gap > 0 else math.nan
+        measured = (f"fast network, one 2x straggler: step {_ms(dbs.step_s)} vs DDP's {_ms(straggler.step_s)} with "
+                    f"it and {_ms(homogeneous.step_s)} without: {closed:.0%} of the gap closed (a split by speed "
+                    f"can close at most 67%: shares 2/3 and 1/3); accuracy {_pct(dbs.accuracy)} vs "
+                    f"{_pct(straggler.accuracy)}")
+        verdict = ("no straggler gap measured here" if math.isnan(closed) else
+                   "agrees: most of the way to the homogeneous step" if closed >= 0.5 else
+                   "partly: some of the way back" if closed > 0 else "differs: no faster than DDP here")
+        return {"headline": "DBS vs DDP with a straggler", "paper": "each epoch the batch is re-split in proportion "
+                "to measured throughput, so a straggler stops holding the others back (PAPERS.md item 3)",
+                "measured": measured, "verdict": verdict}
+
+    def _static_split(self) -> dict[str, str] | None:
+        split, ddp = self.get("ddp+speeds", "fast", "straggler"), self.get("ddp", "fast", "straggler")
+        hog, ps = self.get("ps-async+hogbatch", "fast", "straggler"), self.get("ps-async", "fast", "straggler")
+        if not (split and ddp and split.step_s and ddp.step_s):
+            return None
+        measured = (f"fast network, one 2x straggler: ddp with batches by speed {_ms(split.step_s)} a step vs "
+                    f"{_ms(ddp.step_s)} with equal ones")
+        if hog and ps:
+            measured += (f"; async PS with them and lock-free updates: accuracy {_pct(hog.accuracy)}, to target "
+                         f"{_s(hog.to_target_s)} vs plain async PS {_pct(ps.accuracy)}, {_s(ps.to_target_s)}")
+        verdict = ("agrees: the declared speeds balance the step" if split.step_s < ddp.step_s
+                   else "differs: no faster than the equal split here")
+        return {"headline": "Heterogeneity-aware static batching (Hogbatch)", "paper": "each device gets a batch "
+                "in proportion to its speed, with lock-free updates (PAPERS.md item 1)", "measured": measured,
+                "verdict": verdict}
 
     # -- which strategy wins where ------------------------------------------------
     def _regimes(self) -> list[tuple[str, str]]:
