@@ -146,6 +146,18 @@ def test_estimators_price_the_split_batch():
     assert (straggler - dbs) == pytest.approx(compute * (2 - 4 / 3), rel=0.05)
 
 
+def test_advise_considers_dbs_when_workers_differ():
+    from ddlscope.advise import advise
+
+    exp = _experiment(**{"strategy.name": "ddp"})
+    rank = {}
+    for stragglers in (1.0, 2.0):
+        rows = advise(exp, "a10g:1x2", stragglers=stragglers, db=None).strategies
+        rank[stragglers] = {s.strategy: s.rank for s in rows}
+    assert rank[1.0]["ddp"] < rank[1.0]["dbs"]  # equal workers: a tie, and ddp is the simpler
+    assert rank[2.0]["dbs"] < rank[2.0]["ddp"]  # a 2x straggler: the split pays
+
+
 # -- two ranks, the real loop ---------------------------------------------------------------------
 def train_all(out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One rank: every configuration in turn, then (rank 0 alone) `single` on the global batch."""
