@@ -160,26 +160,39 @@ def test_advise_considers_dbs_when_workers_differ():
 
 # -- two ranks, the real loop ---------------------------------------------------------------------
 def train_all(out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One rank: every configuration in turn (the local-SGD family's equivalence loop), then, on rank 0
-    alone and without communication, `single` on the same global batches."""
-    from test_dataparallel_equivalence import train_all as train_each
+    """One rank: every configuration in turn, then (rank 0 alone) `single` on the global batch."""
+    import torch.distributed as dist
 
     from ddlscope.runtime.config import load_experiment
     from ddlscope.runtime.loop import train
-    from ddlscope.runtime.rows import RowWriter
+    from ddlscope.runtime.rows import RowWriter, read_records
     from ddlscope.strategies import RunContext, runtime_class
     from ddlscope.workloads import WORKLOADS
 
-    trained = train_each(out_dir, {label: {**COMMON, **overrides} for label, overrides in configs.items()}, 2)
-    if int(os.environ["RANK"]) == 0:
-        exp = load_experiment(None, {**COMMON, "cluster.world_size": 1, "strategy.name": "single"})
-        ctx = RunContext(0, 1, 0, 0, torch.device("cpu"), "gloo", exp)
+    def run(label: str, overrides: dict[str, Any], rank: int, world: int) -> None:
+        exp = load_experiment(None, {**COMMON, "cluster.world_size": world, **overrides})
+        ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
         task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-        writer = RowWriter(Path(out_dir) / "single-0.jsonl", 0)
-        model = train(task, runtime_class(exp.strategy)(exp.strategy, ctx), ctx, writer).model
+        path = Path(out_dir) / f"{label}-{rank}.jsonl"
+        writer = RowWriter(path, rank)
+        result = train(task, runtime_class(exp.strategy)(exp.strategy, ctx), ctx, writer)
         writer.close()
-        trained["models"]["single"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return trained
+        module = getattr(result.model, "module", result.model)
+        models[label] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        rows[label] = [r for r in read_records(path) if r.get("kind") == "step"]
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    models: dict[str, Any] = {}
+    rows: dict[str, Any] = {}
+    try:
+        for label, overrides in configs.items():
+            run(label, overrides, rank, 2)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:  # no communication: the one-process reference on the same global batches
+        run("single", {"strategy.name": "single"}, 0, 1)
+    return {"models": models, "rows": rows}
 
 
 @pytest.fixture(scope="module")
