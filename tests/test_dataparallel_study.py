@@ -14,20 +14,25 @@ from ddlscope.studies.base import CellResult
 def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     study = STUDIES.get("dataparallel")()
     quick, full = study.cells(quick=True), study.cells(quick=False)
-    assert len(quick) == 10  # about 20 s each here: the quick study stays near 4 minutes
+    assert len(quick) == 8 + 2 + 2  # about 20 s each here: the quick study stays near 4 minutes (+2 compression, +2 dbs)
     strategies = {c.labels["strategy"] for c in full}
     knobs = {f"ddp+{v}" for v in ("fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8", "per_layer", "mgwfbp")}
     assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip",
-            "localsgd+bf16"} | knobs == strategies
-    assert {c.labels["strategy"] for c in quick} >= {"ddp+topk", "ddp+mgwfbp"}
+            "localsgd+bf16", "dbs", "ddp+speeds", "ps-async+hogbatch"} | knobs == strategies
+    assert {c.labels["strategy"] for c in quick} >= {"ddp+topk", "ddp+mgwfbp", "dbs"}
     regimes = {(c.labels["network"], c.labels["workers"]) for c in full}
     assert regimes == {("fast", "homogeneous"), ("fast", "straggler"), ("slow", "homogeneous"), ("slow", "straggler")}
-    assert len({c.key for c in full}) == len(full) == 36 + 11  # + DDP's 6 hooks, 2 plans x 2 networks, localsgd bf16
+    # + DDP's 6 hooks, 2 plans x 2 networks, localsgd bf16; dbs x 4 regimes, 2 static splits x 2 stragglers
+    assert len({c.key for c in full}) == len(full) == 36 + 11 + 8
     by_key = {c.key: c.experiment.strategy for c in full}
     assert by_key["ddp+topk/slow/homogeneous/w2"].comm_hook == "topk"
     assert by_key["ddp+mgwfbp/fast/homogeneous/w2"].buckets == "mgwfbp"
     assert by_key["localsgd+bf16/slow/homogeneous/w2"].compression == "bf16"
     assert by_key["ddp/slow/homogeneous/w2"].comm_hook == "none" and by_key["ddp/slow/homogeneous/w2"].buckets == "size"
+    assert by_key["ddp+speeds/slow/straggler/w2"].batch_split == "cluster"
+    assert by_key["ps-async+hogbatch/fast/straggler/w2"].lock_free
+    with_seeds = {c.key for c in study.cells(quick=False, repeats=2)}
+    assert "ps-async+hogbatch/fast/straggler/w2/seed1" in with_seeds
     assert len({c.experiment.workload.steps * c.experiment.workload.batch_size for c in full}) == 1
     compensated = next(c for c in quick if c.labels["strategy"] == "hpsgd+mc")
     plain = next(c for c in full if c.labels["strategy"] == "hpsgd")
@@ -35,7 +40,8 @@ def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     assert plain.experiment.workload.momentum == pytest.approx(0.8)
     # seeds for what varies from run to run (the asynchronous server), not for the deterministic cells
     seeded = study.cells(quick=False, repeats=3)
-    assert len(seeded) - len(full) == 8 and all(c.labels["strategy"] == "ps-async" for c in seeded[len(full):])
+    assert len(seeded) - len(full) == 8 + 4
+    assert all(c.labels["strategy"] in ("ps-async", "ps-async+hogbatch") for c in seeded[len(full):])
 
 
 def _result(strategy: str, network: str, workers: str, step_s: float, accuracy: float,

@@ -108,7 +108,7 @@ name = "n"
 
 @pytest.mark.parametrize("text, expected", [
     ('name = "x"\n[grid]\n"strategy.bukcet_mb" = [1]',
-     "cell bukcet_mb=1: strategy.bukcet_mb = 1: unknown field; allowed: bucket_mb,"),
+     "cell bukcet_mb=1: strategy.bukcet_mb = 1: unknown field; allowed: batch_split, bucket_mb,"),
     ('name = "x"\n[grid]\n"cluster.world_size" = [2, 0]',
      "cell world_size=0: cluster.world_size = 0: Input should be greater than or equal to 1"),
     ('name = "x"\n[grid]\n"strategy.name" = ["ddp", "nope"]', "cell nope: strategy.name = 'nope': unknown strategy"),

@@ -57,20 +57,32 @@ class GlobalBatchSampler:
     def rank_batch(self, step: int, rank: int, per_rank: int) -> torch.Tensor:
         return self.global_batch(step)[rank * per_rank:(rank + 1) * per_rank]
 
+    def sized_rank_batch(self, step: int, rank: int, sizes: list[int]) -> torch.Tensor:
+        """Rank r's slice of step k's global batch when ranks take `sizes` samples each (sum: the batch)."""
+        if sum(sizes) != self.batch_size:
+            raise ValueError(f"per-rank batches {sizes} do not add up to the global batch {self.batch_size}")
+        start = sum(sizes[:rank])
+        return self.global_batch(step)[start:start + sizes[rank]]
+
+
+# (sampler, step, rank, per_rank) -> the sample ids the rank reads at the step: Strategy.batch_indices.
+ChooseIds = Callable[[GlobalBatchSampler, int, int, int], torch.Tensor]
+
 
 def step_batches(task: Task, exp: Experiment, rank: int, ranks: int, per_rank: int, first_step: int,
-                 choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+                 choose: ChooseIds | None = None
                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (inputs, targets) for steps first_step, first_step + 1, ...: from the in-memory split
     (the global batch's slice, GlobalBatchSampler) or, with workload.data = parquet, from the rank's
     Parquet shards through the loader workers (runtime/parquet_data.py). Both are functions of the step,
-    so a run resumed at any step reads what the uninterrupted run read. `choose(step, ids)` lets a
-    strategy pick its own samples of the in-memory split (a federated client reads its partition)."""
+    so a run resumed at any step reads what the uninterrupted run read. `choose(sampler, step, rank,
+    per_rank)` lets a strategy pick its own samples of the in-memory split (a federated client reads its
+    partition; a speed-aware split takes an unequal slice of the global batch)."""
     spec = exp.workload
     if spec.data == "memory":
         sampler = GlobalBatchSampler(len(task.train), spec.batch_size, exp.seed)
-        pick = choose or (lambda _step, ids: ids)
-        return (task.train.get(pick(step, sampler.rank_batch(step, rank, per_rank)))
+        pick = choose or GlobalBatchSampler.rank_batch
+        return (task.train.get(pick(sampler, step, rank, per_rank))
                 for step in itertools.count(first_step))
     if choose is not None:
         raise ValueError(f"strategy {exp.strategy.name!r} picks its own samples; it reads workload.data = memory only")

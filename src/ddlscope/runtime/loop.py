@@ -74,7 +74,7 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
     per_rank = exp.per_rank_batch()
     splits = exp.strategy.traits.splits_global_batch
     batches = step_batches(task, exp, ctx.rank if splits else 0, ctx.workers if splits else 1, per_rank, first_step,
-                           choose=strategy.batch_ids if strategy.picks_samples() else None)
+                           choose=strategy.batch_indices if strategy.picks_samples() else None)
     memory_step = min(first_step + 1, spec.steps - 1)  # the first step pays one-off costs (buckets, lazy init)
     meter = ActivationMeter(model)
     memory: dict[str, int] = {"parameters": parameter_bytes(model)}

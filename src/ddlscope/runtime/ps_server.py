@@ -86,6 +86,11 @@ class _Server:
                 continue
             dist.recv(grad, src=source, tag=DATA_TAG)
             self.rx.completed(self.rx.launched(grad.numel() * 4, "p2p"))  # the server's link serialises pushes
+            if self.spec.answers_before_apply():  # lock-free: the worker reads without waiting for the update
+                self.last_step[source] = step
+                self._send_params([source])
+                self._apply(source, step, version_seen, grad, arrival)
+                continue
             self._apply(source, step, version_seen, grad, arrival)
             self.last_step[source] = step
             self.waiting.append((source, step))

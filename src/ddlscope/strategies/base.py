@@ -78,14 +78,10 @@ class Strategy(ABC):
         """The built workload, handed over after `attach`: for a strategy that picks its own samples (a
         federated client reads its own partition) or evaluates more than the model (per-block predictors)."""
 
-    def batch_ids(self, step: int, ids: torch.Tensor) -> torch.Tensor:
-        """The training sample ids this rank reads at `step`: the runtime's share of the global batch
-        (`ids`), unless the strategy owns its data (a federated client's whole round)."""
-        return ids
-
     def picks_samples(self) -> bool:
-        """Whether this strategy overrides `batch_ids` (then it reads the in-memory split only)."""
-        return type(self).batch_ids is not Strategy.batch_ids
+        """Whether this rank reads other samples than its equal slice of the global batch
+        (`batch_indices` overridden; then it reads the in-memory split only)."""
+        return type(self).batch_indices is not Strategy.batch_indices
 
     def final_events(self) -> list[tuple[str, str]]:
         """(event, message) pairs the runtime records after `finish` (e.g. per-block evaluations)."""
@@ -116,8 +112,20 @@ class Strategy(ABC):
         with timer.phase("forward"):
             loss = self.loss_fn(self.model(x), y)
         with timer.phase("backward"):
-            loss.backward()
+            weight = self.loss_weight()
+            (loss if weight == 1.0 else loss * weight).backward()
         return loss
+
+    def batch_indices(self, sampler: Any, step: int, rank: int, per_rank: int) -> torch.Tensor:
+        """The sample ids this rank trains on at `step` (runtime/data.py's GlobalBatchSampler): an equal
+        slice of the global batch by default; strategies/batching.py splits it by speed and a federated
+        client reads its own partition's round."""
+        return sampler.rank_batch(step, rank, per_rank)
+
+    def loss_weight(self) -> float:
+        """What this rank's mean loss is multiplied by before backward: 1, or its share of a split batch
+        times the workers (strategies/batching.py), so that averaging over workers stays exact."""
+        return 1.0
 
     def synchronize(self, model: nn.Module) -> None:
         """Explicit communication after backward and before the optimizer step (none by default)."""

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddlscope.specs import bucketing as plans
 from ddlscope.specs.strategies.ddp import DDPSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.base import Strategy
+from ddlscope.strategies.batching import SplitBatch
 from ddlscope.strategies.bucketing import (
     bucket_caps_mb, gradient_layers, link_alpha_beta, probe_alpha_beta, same_on_every_rank)
 from ddlscope.strategies.compression import compression_hook, timed_hook
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 @RUNTIMES.register(DDPSpec)
-class DDP(Strategy):
+class DDP(SplitBatch):  # batch_split: strategies/batching.py
     spec: DDPSpec
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -1,7 +1,7 @@
 """Federated training's runtime: fedavg, mm-psgd, mc-psgd (specs/strategies/federated.py).
 
 Each rank is one client. One run step is one round: the runtime hands the
-client its whole round of samples (`batch_ids`: its part of the round's
+client its whole round of samples (`batch_indices`: its part of the round's
 block, `local_epochs` permutations, from workloads/partition.py), the client
 trains its minibatches with a fresh optimizer state (as a Flower client
 builds its optimizer in `fit`), and the models are averaged with weights n_k
@@ -59,11 +59,11 @@ class FedAvg(ReplicatedModel):
         self.data = ClientData(self.spec, labels.numpy(), self.ctx.workers, self.ctx.experiment.seed)
 
     # ------------------------------------------------------------------ one round
-    def batch_ids(self, step: int, ids: torch.Tensor) -> torch.Tensor:
+    def batch_indices(self, sampler: Any, step: int, rank: int, per_rank: int) -> torch.Tensor:
         assert self.data is not None, "use_task() before the first round"
         if self.client not in self.data.weights(step):
             self.minibatches = []
-            return ids[:0]
+            return torch.empty(0, dtype=torch.long)
         reading = self.data.round(self.client, step, self.ctx.experiment.workload.batch_size)
         self.minibatches = reading.minibatches
         return torch.from_numpy(reading.ids).long()

@@ -22,7 +22,8 @@ from torch import nn
 
 from ddlscope.specs.strategies.ps import PSSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.base import RunContext, Strategy
+from ddlscope.strategies.base import RunContext
+from ddlscope.strategies.batching import SplitBatch
 
 # Message layout: a header (int64) then, for pushes and replies, a float32 payload.
 PUSH, DONE, LEAVE, JOIN = 0, 1, 2, 3
@@ -38,7 +39,7 @@ def shard_ranges(numel: int, shards: int) -> list[tuple[int, int]]:
 
 
 @RUNTIMES.register(PSSpec)
-class ParameterServer(Strategy):
+class ParameterServer(SplitBatch):  # batch_split: strategies/batching.py
     """Worker side of every PS protocol; servers run runtime/ps_server.py."""
 
     spec: PSSpec

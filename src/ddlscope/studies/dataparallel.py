@@ -1,4 +1,4 @@
-"""`ddlscope study dataparallel`: when and with whom workers synchronise.
+"""`ddlscope study dataparallel`: when and with whom workers synchronise, and how much each one computes.
 
 Local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP and gossip (full study) against DDP (synchronous, every step)
 and asynchronous PS (nobody waits), on the main study's workload, emulated
@@ -6,7 +6,10 @@ networks and straggler (studies/paper.py: cnn-digits, 100 steps of global
 batch 256, so every cell trains on the same samples; the fast and slow
 networks `scaled` to the target GPUs' compute). HPSGD also runs with its
 momentum lowered for the staleness' implicit momentum (the main study's `mc`
-variant). The report gives per cell throughput, exposed communication, bytes
+variant). DBS (re-split batches by measured throughput) runs in every regime,
+ddp with batches by speed (`+speeds`) and async PS with them and lock-free
+updates (`+hogbatch`, Hogbatch) where a straggler makes speeds differ.
+The report gives per cell throughput, exposed communication, bytes
 per step, accuracy at equal samples and time to the target accuracy, the
 papers' claims against what was measured, and which strategy wins in which
 regime, with the numbers behind each verdict. The full study also runs DDP with each
@@ -36,11 +39,11 @@ REFERENCES = ("ddp", "ps-async")
 REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homogeneous", "straggler"))
 
 
-def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
+def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS, seed: int = 0) -> Cell:
     strategy, _, variant = name.partition("+")
     if (strategy, variant) in KNOB_CELLS:
-        return knob_cell(strategy, variant, network, world)
-    return accuracy_cell(SETTING, strategy, network, workers, world, variant)
+        return knob_cell(strategy, variant, network, workers, world, seed)
+    return accuracy_cell(SETTING, strategy, network, workers, world, variant, seed)
 
 
 # --- DDP's gradient compression and bucket plans (strategies/compression.py, specs/bucketing.py) -----------
@@ -53,17 +56,22 @@ COMPRESSION_KNOBS: dict[str, dict[str, object]] = {
     "topk": {"comm_hook": "topk", "topk_ratio": 0.01}, "qsgd": {"comm_hook": "qsgd", "qsgd_levels": 4},
     "minmax8": {"comm_hook": "minmax8"}}
 BUCKET_KNOBS: dict[str, dict[str, object]] = {"per_layer": {"buckets": "per_layer"}, "mgwfbp": {"buckets": "mgwfbp"}}
-# localsgd's compressed average: each model's change since the last average in bf16.
+# "+speeds" splits the batch by the declared speeds, "+hogbatch" also updates lock-free (Hogbatch); localsgd's
+# compressed average sends each model's change since the last average in bf16.
 KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
     **{("ddp", v): knobs for v, knobs in {**COMPRESSION_KNOBS, **BUCKET_KNOBS}.items()},
-    ("localsgd", "bf16"): {"compression": "bf16"}}
-QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")
-TIE_FRACTION = 0.05  # exposed communication this close is one run's noise on a shared machine  # the quick study's two: on the slow network
+    ("localsgd", "bf16"): {"compression": "bf16"},
+    ("ddp", "speeds"): {"batch_split": "cluster"},
+    ("ps-async", "hogbatch"): {"batch_split": "cluster", "lock_free": True}}
+QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")  # the quick study's two: on the slow network
+TIE_FRACTION = 0.05  # exposed communication this close is one run's noise on a shared machine
 
 
-def knob_cell(strategy: str, variant: str, network: str, world: int = QUICK_WORKERS) -> Cell:
-    """The strategy's accuracy cell with the knobs of `variant` (a compression hook, a bucket plan)."""
-    base = accuracy_cell(SETTING, strategy, network, "homogeneous", world, variant)
+def knob_cell(strategy: str, variant: str, network: str, workers: str, world: int = QUICK_WORKERS,
+              seed: int = 0) -> Cell:
+    """The strategy's accuracy cell with the knobs of `variant` (a compression hook, a bucket plan, a split
+    by speed), validated like any config."""
+    base = accuracy_cell(SETTING, strategy, network, workers, world, variant, seed)
     raw = experiment_to_dict(base.experiment)
     raw["strategy"] = {**raw["strategy"], **KNOB_CELLS[(strategy, variant)]}
     return build_cell(base.key, base.labels, raw)
@@ -77,10 +85,30 @@ def ddp_knob_cells(quick: bool) -> list[Cell]:
             + [cell("localsgd+bf16", "slow", "homogeneous")])
 
 
+# -- heterogeneity-aware batching (issue 20): dbs in every regime; the static split (from the straggler
+# profile) only where workers differ, since with equal workers it is its strategy's equal split.
+BATCHING = "dbs"
+STATIC_SPLITS = ("ddp+speeds", "ps-async+hogbatch")
+
+
+def batching_cells(quick: bool) -> list[Cell]:
+    """dbs and the static splits."""
+    if quick:  # the three step times of issue 20 on the fast network (ddp/fast/straggler is there already)
+        return [cell(BATCHING, "fast", "straggler"), cell("ddp", "fast", "homogeneous")]
+    return ([cell(BATCHING, network, workers) for network, workers in REGIMES]
+            + [cell(name, network, "straggler") for network in NETWORKS for name in STATIC_SPLITS])
+
+
+def repeated_knob_cells(cells: list[Cell], repeats: int) -> list[Cell]:
+    """Seeds 1.. of the asynchronous server's knob cells (its order of arrival varies run to run)."""
+    return [cell(c.labels["strategy"], c.labels["network"], c.labels["workers"], seed=seed)
+            for c in cells if c.labels["strategy"] == "ps-async+hogbatch" for seed in range(1, repeats)]
+
+
 @STUDIES.register("dataparallel")
 class DataParallelStudy(Study):
-    description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip vs DDP and async PS on fast/slow networks, "
-                   "with stragglers; DDP's compression hooks and bucket plans")
+    description = ("local SGD, DiLoCo, CoCoD-SGD, HPSGD, OSP, gossip, DBS and batches by speed vs DDP and async PS "
+                   "on fast/slow networks, with stragglers; DDP's compression hooks and bucket plans")
     cell_columns = ("step ms", "samples/s", "accuracy", "to target s", "wall s", "staleness")
 
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
@@ -93,7 +121,9 @@ class DataParallelStudy(Study):
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
         cells += ddp_knob_cells(quick)
-        return cells + repeated(SETTING, cells, repeats)
+        # The knob cells' seeds come from repeated_knob_cells: `repeated` rebuilds a cell without its knobs.
+        batching = batching_cells(quick)
+        return cells + batching + repeated(SETTING, cells, repeats) + repeated_knob_cells(batching, repeats)
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
         return _Analysis(results).findings()
@@ -128,7 +158,8 @@ class _Analysis:
 
     def findings(self) -> Findings:
         headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco(),
-                                 self._compression(), self._buckets("fast"), self._buckets("slow")) if h]
+                                 self._compression(), self._buckets("fast"), self._buckets("slow"),
+                                 self._dbs(), self._static_split()) if h]
         regimes = self._regimes()
         decisions = [line for _, line in regimes]
         table = self._table()
@@ -283,6 +314,40 @@ class _Analysis:
         return {"headline": f"MG-WFBP buckets ({network} network)", "paper": "merging layer gradients optimally "
                 "under the alpha-beta model hides more communication than per-layer or fixed-size buckets "
                 "(PAPERS.md item 12)", "measured": measured, "verdict": verdict}
+
+    def _dbs(self) -> dict[str, str] | None:
+        homogeneous, straggler, dbs = (self.get("ddp", "fast"), self.get("ddp", "fast", "straggler"),
+                                       self.get(BATCHING, "fast", "straggler"))
+        if not (homogeneous and straggler and dbs and homogeneous.step_s and straggler.step_s and dbs.step_s):
+            return None
+        gap = straggler.step_s - homogeneous.step_s
+        closed = (straggler.step_s - dbs.step_s) / gap if gap > 0 else math.nan
+        measured = (f"fast network, one 2x straggler: step {_ms(dbs.step_s)} vs DDP's {_ms(straggler.step_s)} with "
+                    f"it and {_ms(homogeneous.step_s)} without: {closed:.0%} of the gap closed (a split by speed "
+                    f"can close at most 67%: shares 2/3 and 1/3); accuracy {_pct(dbs.accuracy)} vs "
+                    f"{_pct(straggler.accuracy)}")
+        verdict = ("no straggler gap measured here" if math.isnan(closed) else
+                   "agrees: most of the way to the homogeneous step" if closed >= 0.5 else
+                   "partly: some of the way back" if closed > 0 else "differs: no faster than DDP here")
+        return {"headline": "DBS vs DDP with a straggler", "paper": "each epoch the batch is re-split in proportion "
+                "to measured throughput, so a straggler stops holding the others back (PAPERS.md item 3)",
+                "measured": measured, "verdict": verdict}
+
+    def _static_split(self) -> dict[str, str] | None:
+        split, ddp = self.get("ddp+speeds", "fast", "straggler"), self.get("ddp", "fast", "straggler")
+        hog, ps = self.get("ps-async+hogbatch", "fast", "straggler"), self.get("ps-async", "fast", "straggler")
+        if not (split and ddp and split.step_s and ddp.step_s):
+            return None
+        measured = (f"fast network, one 2x straggler: ddp with batches by speed {_ms(split.step_s)} a step vs "
+                    f"{_ms(ddp.step_s)} with equal ones")
+        if hog and ps:
+            measured += (f"; async PS with them and lock-free updates: accuracy {_pct(hog.accuracy)}, to target "
+                         f"{_s(hog.to_target_s)} vs plain async PS {_pct(ps.accuracy)}, {_s(ps.to_target_s)}")
+        verdict = ("agrees: the declared speeds balance the step" if split.step_s < ddp.step_s
+                   else "differs: no faster than the equal split here")
+        return {"headline": "Heterogeneity-aware static batching (Hogbatch)", "paper": "each device gets a batch "
+                "in proportion to its speed, with lock-free updates (PAPERS.md item 1)", "measured": measured,
+                "verdict": verdict}
 
     # -- which strategy wins where ------------------------------------------------
     def _regimes(self) -> list[tuple[str, str]]:

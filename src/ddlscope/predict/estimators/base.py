@@ -10,6 +10,7 @@ from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.strategies import ServerSpec, StrategyEstimate, Workload
 from ddlscope.specs import StrategySpec
+from ddlscope.specs.strategies.batching import HeteroBatchKnobs, step_slowdowns
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,14 @@ class Estimator:
 def state_tensors(case: LocalCase) -> int:
     """Optimizer state tensors per parameter (SGD none, momentum one, Adam two)."""
     return STATE_TENSORS[case.optimizer_kind]
+
+
+def split_slowdowns(spec: StrategySpec, case: ClusterCase) -> list[float] | None:
+    """Each worker's compute time per step relative to a homogeneous equal split, when the strategy
+    splits the batch by speed (batch_split: specs/strategies/batching.py); the case's slowdowns as
+    they are otherwise. "cluster" speeds are the priced cluster's (1 / slowdown); declared speeds
+    that do not name one per GPU of it are left out (an equal split)."""
+    if not isinstance(spec, HeteroBatchKnobs):
+        return list(case.slowdowns) if case.slowdowns else None
+    slowdowns = list(case.slowdowns) if case.slowdowns else [1.0] * case.cluster.n_gpus
+    return step_slowdowns(slowdowns, spec.declared_speeds(slowdowns))

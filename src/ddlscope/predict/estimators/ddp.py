@@ -9,7 +9,7 @@ from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
-    KNOB_NOTE_PREFIX, ClusterCase, Estimator, LocalCase, LocalComm, LocalStep)
+    KNOB_NOTE_PREFIX, ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, split_slowdowns)
 from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required
 from ddlscope.specs import bucketing as plans
 from ddlscope.specs.strategies.ddp import GATHERED_HOOKS, DDPSpec
@@ -34,7 +34,8 @@ class DDPEstimator(Estimator):
         if spec.comm_hook != "none":
             return pst.compressed_ddp(case.workload, case.cluster, spec.comm_hook, ratio=spec.topk_ratio,
                                       rank=spec.powersgd_rank, bucket_mb=spec.bucket_mb, levels=spec.qsgd_levels)
-        plain = pst.ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb, slowdowns=case.slowdowns)
+        plain = pst.ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb,
+                        slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
         if spec.buckets == "size":
             return plain
         return _with_plan(plain, cluster_plan(spec, case))

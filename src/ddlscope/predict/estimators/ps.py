@@ -6,7 +6,8 @@ from typing import ClassVar, Literal
 
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
-from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
+from ddlscope.predict.estimators.base import (ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, split_slowdowns,
+                                              state_tensors)
 from ddlscope.calibrate.model import STATE_TENSORS, concurrent_rounds_slowdown, ps_compute_stretch, ps_round_s
 from ddlscope.specs.strategies.ps import PSAsyncSpec, PSSpec, PSSyncSpec, SSPSpec, StaleAwareSpec
 
@@ -17,7 +18,8 @@ class PSEstimator(Estimator):
     mode: ClassVar[Literal["sync", "async", "ssp"]]
 
     def cluster(self, spec: PSSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        return pst.parameter_server(case.workload, case.cluster, self.mode, case.server, slowdowns=case.slowdowns)
+        return pst.parameter_server(case.workload, case.cluster, self.mode, case.server,
+                                    slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
 
     def cluster_memory(self, spec: PSSpec, case: ClusterCase) -> tuple[float, float | None]:
         # workers hold weights and gradients; the server the weights and the optimizer state
@@ -109,7 +111,7 @@ class SSPEstimator(PSEstimator):
 
     def cluster(self, spec: SSPSpec, case: ClusterCase) -> pst.StrategyEstimate:
         return pst.parameter_server(case.workload, case.cluster, "ssp", case.server, staleness=spec.staleness,
-                                    slowdowns=case.slowdowns)
+                                    slowdowns=split_slowdowns(spec, case))
 
     def cluster_notes(self, spec: SSPSpec, case: ClusterCase) -> list[str]:
         if not case.slowdowns:

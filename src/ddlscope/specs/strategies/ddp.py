@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
+from ddlscope.specs.strategies.batching import HeteroBatchKnobs
+from ddlscope.specs.strategy import Traits, strategy_spec
 
 _POWERSGD_CALL = re.compile(r"^powersgd\((\d+)\)$")
 GATHERED_HOOKS = ("topk", "qsgd", "minmax8")  # lossy codes that do not sum in place: all-gathered, decoded by all
@@ -21,7 +22,7 @@ def qsgd_code_bits(levels: int) -> int:
 
 
 @strategy_spec
-class DDPSpec(StrategySpec):
+class DDPSpec(HeteroBatchKnobs):  # batch_split, worker_speeds: specs/strategies/batching.py
     traits = Traits(family="collective", simplicity=1)
     description = ("torch DistributedDataParallel: bucketed all-reduce overlapped with backward; compression hooks "
                    "(fp16, bf16, PowerSGD, top-k, QSGD, 8-bit), bucket plans (per layer, MG-WFBP)")

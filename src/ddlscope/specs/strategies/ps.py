@@ -24,14 +24,16 @@ read the same ones.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
+from ddlscope.specs.base import ConfigError
+from ddlscope.specs.strategies.batching import HeteroBatchKnobs
+from ddlscope.specs.strategy import Traits, strategy_spec
 
 
-class PSSpec(StrategySpec):
+class PSSpec(HeteroBatchKnobs):  # batch_split, worker_speeds: specs/strategies/batching.py
     """What every parameter-server protocol shares: the servers, which own the optimizer."""
 
     servers: int = Field(1, ge=1, description="server ranks, each owning a shard of the parameters")
@@ -51,6 +53,10 @@ class PSSpec(StrategySpec):
     def blocks_pushed(self, worker: int, step: int) -> list[int]:
         """The servers (indices into the server ranks) a worker pushes to and pulls from at `step`."""
         return list(range(self.servers))
+
+    def answers_before_apply(self) -> bool:
+        """Whether a push is answered with the parameters before its gradient is applied (lock-free)."""
+        return False
 
     def pushes_per_round(self, workers: int) -> float:
         """Pushes one server takes in a round of one step per worker: an asynchronous push moves the
@@ -86,6 +92,21 @@ class PSAsyncSpec(PSSpec):
         False, description="each step push one server's block of the gradient and pull that block only, "
                            "block (worker + step) mod servers: 1/servers of the traffic, each block updated "
                            "asynchronously with the servers' momentum (PAPERS.md item 2)")
+
+    # -- Hogwild-style lock-free updates (PAPERS.md item 1, Hogbatch) -----------------------------
+    lock_free: bool = Field(
+        False, description="answer a push with the current parameters before its gradient is applied, as a "
+                           "lock-free (Hogwild) reader would: the worker never waits for the update, and its next "
+                           "gradient is one update staler")
+
+    def check_experiment(self, exp: Any) -> None:
+        super().check_experiment(exp)
+        if self.lock_free and (exp.checkpoint_every or exp.checkpoint_every_s):
+            raise ConfigError("strategy.lock_free cannot be combined with checkpoints (a checkpoint holds the "
+                              "answers until every worker is at the cut); drop checkpoint_every or lock_free")
+
+    def answers_before_apply(self) -> bool:
+        return self.lock_free
 
     def blocks_pushed(self, worker: int, step: int) -> list[int]:
         return [(worker + step) % self.servers] if self.block_cyclic else super().blocks_pushed(worker, step)
