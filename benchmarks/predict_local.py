@@ -122,12 +122,15 @@ def main() -> int:
                         help="also run pipeline, tp (and a one-process reference) on a small GPT and partitioned "
                              "on the digits, reported apart")
     parser.add_argument("--only-modelparallel", action="store_true", help="run just the --modelparallel ones")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="price forward and backward from FLOPs and bytes at the calibrated rates, not from "
+                             "each workload's own kernels timed alone on this machine (predict-run's default)")
     parser.add_argument("--rescore", type=Path, default=None, metavar="JSON",
                         help="run nothing: predict the runs a --json file holds again, with this code")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.rescore:
-        return rescore(args.rescore)
+        return rescore(args.rescore, kernels=not args.no_kernels)
 
     from ddlscope.analysis.summary import summarize
     from ddlscope.calibrate import calibrate, load_profile, workload_facts, write_profile
@@ -178,7 +181,7 @@ def main() -> int:
             run, measured = runs[len(runs) // 2]
             key = json.dumps([run.config["workload"], exp.per_rank_batch()], sort_keys=True)
             if key not in facts_cache:
-                facts_cache[key] = workload_facts(run.config)
+                facts_cache[key] = workload_facts(run.config, time_kernels=not args.no_kernels)
             predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
             group = config_group(strategy, world, extra)
             rows.append({"config": label, "target_set": group == "standard", "group": group,
@@ -199,16 +202,22 @@ def main() -> int:
     return 0 if rows else 1
 
 
-def rescore(path: Path) -> int:
-    """The runs of an earlier --json, predicted again by this code from the same calibration."""
+def rescore(path: Path, kernels: bool = True) -> int:
+    """The runs of an earlier --json, predicted again by this code from the same calibration (and the
+    kernel times saved with them; timed now for a file from before kernel timing)."""
     from ddlscope.calibrate import workload_facts
     from ddlscope.predict.local import compare, predict_local
 
     saved = json.loads(path.read_text())
-    rows = []
+    rows, facts_cache = [], {}
     for row in saved["rows"]:
-        predicted = predict_local(row["run_config"], row["environment"], workload_facts(row["run_config"]),
-                                  saved["calibration"])
+        key = json.dumps([row["run_config"]["workload"], row["run_config"]["cluster"]["world_size"]], sort_keys=True)
+        if key not in facts_cache:
+            timed = (row.get("facts") or {}).get("kernels")
+            facts_cache[key] = workload_facts(row["run_config"], time_kernels=kernels and not timed)
+            if kernels and timed:
+                facts_cache[key]["kernels"] = timed
+        predicted = predict_local(row["run_config"], row["environment"], facts_cache[key], saved["calibration"])
         rows.append({**row, "predicted": predicted, "error": compare(predicted, row["measured"])})
     print_results(Console(), rows)
     return 0

@@ -251,19 +251,18 @@ def test_server_rounds_share_the_cores_they_run_on():
     assert any("2 server rounds at once share 2 cores (x2.00 each)" in n for n in two["notes"])
 
 
-def test_turn_taking_for_cores_is_inside_the_ddp_probe():
-    # 4 ranks on 2 cores: without a DDP probe the step waits its turn for a core on top of the
-    # all-reduces; the DDP probe differences whole synchronised steps there, so that wait is in it.
+def test_the_ddp_probe_adds_its_cost_and_the_ranks_still_take_turns():
+    # 4 ranks on 2 cores: the DDP probe's cost at the model's size (its whole synchronised steps hold
+    # the turn-taking of the probe's own tiny compute only), plus this step's turn-taking for a core.
     two_cores = {**PROFILE, "meta": {"cores": 2}}
-    plain = predict_local(_config("ddp", 4), {}, FACTS, two_cores)
-    assert any("waits its turn" in n for n in plain["notes"])
     probed = {**two_cores, "ddp": {"ws4": {"model_bytes": [0.0, 1e5], "overhead_s": [1e-3, 2e-3]}}}
     ddp = predict_local(_config("ddp", 4), {}, FACTS, probed)
-    assert ddp["breakdown_s"]["comm_wait_s"] == pytest.approx(1e-3 + 1e-8 * FACTS["param_bytes"])
-    assert any("turn-taking at the synchronisation" in n for n in ddp["notes"])
-    # parameter-server workers keep it: their probe times rounds, not whole steps
-    assert any("waits its turn" in n for n in predict_local(_config("ps-sync", 4, servers=1), {}, FACTS,
-                                                            probed)["notes"])
+    roomy = predict_local(_config("ddp", 4), {}, FACTS, {**probed, "meta": {"cores": 4}})
+    probe_s = 1e-3 + 1e-8 * FACTS["param_bytes"]
+    assert roomy["breakdown_s"]["comm_wait_s"] == pytest.approx(probe_s)
+    assert ddp["breakdown_s"]["comm_wait_s"] > probe_s
+    assert any("waits its turn" in n for n in ddp["notes"])
+    assert not any("waits its turn" in n for n in roomy["notes"])
 
 
 def test_an_incomplete_or_ill_typed_calibration_is_one_line():
@@ -273,3 +272,55 @@ def test_an_incomplete_or_ill_typed_calibration_is_one_line():
     wrong = {**PROFILE, "meta": {"cores": "two"}}
     with pytest.raises(ConfigError, match=r"^the calibration: meta.cores: "):
         predict_local(_config("ddp"), {}, FACTS, wrong)
+
+
+KERNELS = {"data_s": 0.5e-3, "forward_s": 4e-3, "backward_s": 12e-3, "steps": 9, "threads": 1}
+
+
+def test_timed_kernels_price_compute_and_split_it_as_timed():
+    """Kernel times replace the FLOP model's compute, keep their forward:backward ratio (1:3 here, not the
+    FLOPs' 1:2), and price the batch read; the rest of the step (stretch, optimizer) is unchanged."""
+    flops = predict_local(_config("ddp"), {}, FACTS, PROFILE)
+    timed = predict_local(_config("ddp"), {}, {**FACTS, "kernels": KERNELS}, PROFILE)
+    stretch = timed["compute_stretch"]
+    assert stretch == flops["compute_stretch"] == pytest.approx(1.0)
+    b = timed["breakdown_s"]
+    assert b["forward_s"] == pytest.approx(4e-3 * stretch) and b["backward_s"] == pytest.approx(12e-3 * stretch)
+    assert b["data_s"] == pytest.approx(0.5e-3 * stretch) and flops["breakdown_s"]["data_s"] == 0.0
+    assert b["optimizer_s"] == pytest.approx(flops["breakdown_s"]["optimizer_s"])
+    assert flops["breakdown_s"]["backward_s"] == pytest.approx(2 * flops["breakdown_s"]["forward_s"])
+    assert any("timed on this machine" in note for note in timed["notes"])
+    # the optimizer as timed too, where the rank steps the whole model's plain tensors (not FSDP's shards)
+    with_step = {**FACTS, "kernels": {**KERNELS, "optimizer_s": 3e-3}}
+    assert predict_local(_config("ddp"), {}, with_step, PROFILE)["breakdown_s"]["optimizer_s"] == pytest.approx(
+        3e-3 * stretch)
+    fsdp = predict_local(_config("fsdp"), {}, FACTS, PROFILE)["breakdown_s"]["optimizer_s"]
+    assert predict_local(_config("fsdp"), {}, with_step, PROFILE)["breakdown_s"]["optimizer_s"] == pytest.approx(fsdp)
+
+
+def test_ranks_beyond_the_cores_wait_their_turn_under_every_strategy():
+    """4 computing ranks on 2 cores: each step lasts at least twice the CPU work, DDP and FSDP included
+    (their probes hold the turn-taking of their own small compute only)."""
+    facts = {**FACTS, "kernels": KERNELS}
+    for strategy in ("ddp", "fsdp", "localsgd"):
+        roomy = predict_local(_config(strategy, 4), {}, facts, {**PROFILE, "meta": {"cores": 4}})
+        tight = predict_local(_config(strategy, 4), {}, facts, {**PROFILE, "meta": {"cores": 2}})
+        b = tight["breakdown_s"]
+        busy_s = b["data_s"] + b["forward_s"] + b["backward_s"] + b["optimizer_s"]
+        added_s = tight["breakdown_s"]["comm_wait_s"] - roomy["breakdown_s"]["comm_wait_s"]
+        assert added_s == pytest.approx(busy_s * (2 / tight["compute_stretch"] - 1)), strategy
+        assert tight["step_s"] >= 2 * busy_s / tight["compute_stretch"] - 1e-12
+
+
+def test_workload_facts_time_the_workloads_own_kernels():
+    from ddlscope.calibrate import workload_facts
+    from ddlscope.calibrate.facts import KERNEL_TIMED_STEPS
+
+    config = {"workload": {"name": "mlp-digits", "hidden": 32, "layers": 1, "batch_size": 16},
+              "strategy": {"name": "ddp"}, "cluster": {"world_size": 2}}
+    plain = workload_facts(config)
+    timed = workload_facts(config, time_kernels=True)
+    assert "kernels" not in plain and {k: v for k, v in timed.items() if k != "kernels"} == plain
+    kernels = timed["kernels"]
+    assert kernels["steps"] == KERNEL_TIMED_STEPS and kernels["threads"] == 1
+    assert all(0 < kernels[k] < 1 for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))

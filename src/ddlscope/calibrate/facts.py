@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import statistics
+import time
 from typing import Any
 
+# Steps timed by the kernel benchmark (after the warm-up ones): enough for a stable median of a step
+# that takes milliseconds, few enough that predict-run stays a second or two per run.
+KERNEL_WARMUP_STEPS, KERNEL_TIMED_STEPS = 3, 9
 
-def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
+
+def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = False) -> dict[str, Any]:
     """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward), from
     the step profiler (runtime/profiler.py) with its op-counting pass: a small model's CPU step is
-    mostly per-op overhead, not FLOPs."""
+    mostly per-op overhead, not FLOPs. With `time_kernels`, also the step's own kernels timed alone
+    in this process (`kernel_times`)."""
     from ddlscope.runtime.config import experiment_from_dict
     from ddlscope.runtime.profiler import profile_task
     from ddlscope.workloads import WORKLOADS
@@ -19,6 +27,7 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
     per_rank = exp.per_rank_batch()
     step = profile_task(task, per_rank, count_ops=True)
     assert step.ops is not None
+    kernels = kernel_times(task, exp.workload, per_rank, exp.cluster.threads_per_rank) if time_kernels else None
     return {
         "flops": step.flops,
         "ops": step.ops.ops,
@@ -38,4 +47,49 @@ def workload_facts(experiment_config: dict[str, Any]) -> dict[str, Any]:
         "optimizer": exp.workload.optimizer,
         "momentum": exp.workload.momentum,
         "per_rank_batch": per_rank,
+        **({"kernels": kernels} if kernels else {}),
     }
+
+
+def kernel_times(task: Any, workload: Any, per_rank: int, threads: int) -> dict[str, Any]:
+    """Median time of one rank's batch read, forward (with the loss), backward and optimizer step (with
+    zero_grad; the workload's optimizer over the whole model), alone in this process with the rank's
+    intra-op threads: the workload's own kernels benchmarked on this machine.
+
+    A one-device profile is what trace-driven predictors start from (Daydream, Zhu et al. 2020); here
+    it stands in for the FLOP model where CPU kernels run far from their FLOP or byte rates: a
+    convolution's weight gradient, max-pooling with indices and group norm run several times slower
+    than the convolution probe's and the copy rate predict (docs/calibrate.md). The distributed part
+    (contention between ranks, turn-taking for cores, communication) stays the model's."""
+    import torch
+
+    from ddlscope.runtime.loop import make_optimizer
+
+    model = copy.deepcopy(task.model).train()  # the task's own model stays untouched
+    optimizer = make_optimizer(model, workload)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    ids = torch.arange(per_rank)
+    read_s, forward_s, backward_s, optimizer_s = [], [], [], []
+    try:
+        for i in range(KERNEL_WARMUP_STEPS + KERNEL_TIMED_STEPS):
+            t0 = time.perf_counter()
+            x, y = task.train.get(ids % len(task.train))
+            t1 = time.perf_counter()
+            loss = task.loss_fn(model(x), y)
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t4 = time.perf_counter()
+            if i >= KERNEL_WARMUP_STEPS:
+                read_s.append(t1 - t0)
+                forward_s.append(t2 - t1)
+                backward_s.append(t3 - t2)
+                optimizer_s.append(t4 - t3)
+    finally:
+        torch.set_num_threads(previous_threads)
+    median = statistics.median
+    return {"data_s": median(read_s), "forward_s": median(forward_s), "backward_s": median(backward_s),
+            "optimizer_s": median(optimizer_s), "steps": KERNEL_TIMED_STEPS, "threads": threads}

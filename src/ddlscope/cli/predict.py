@@ -544,14 +544,18 @@ def predict_run(
                               "run's host, else ./ddlscope-calibration.toml).")] = None,
     db: DbOption = DEFAULT_DB,
     as_json: JsonOption = False,
+    kernels: Annotated[bool, typer.Option(
+        "--kernels/--no-kernels", help="Time the workload's own forward and backward alone on this machine "
+                                       "(about a second) rather than price them from FLOPs and bytes.")] = True,
 ) -> None:
     """Predict a stored local run from its config and this machine's calibration; compare with what it measured."""
-    print_run_prediction(run_ref, db, calibration, as_json)
+    print_run_prediction(run_ref, db, calibration, as_json, kernels)
 
 
-def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_json: bool) -> None:
+def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_json: bool,
+                         kernels: bool = True) -> None:
     """`predict-run RUN` and `predict --against RUN`: predicted next to measured."""
-    result = predict_stored_run(run_ref, db, calibration)
+    result = predict_stored_run(run_ref, db, calibration, kernels)
     if as_json:
         print(json.dumps(result, default=str))
         return
@@ -560,7 +564,7 @@ def print_run_prediction(run_ref: str, db: Path, calibration: Path | None, as_js
         console.print(f"[yellow]note:[/yellow] {escape(str(note))}")
 
 
-def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict[str, Any]:
+def predict_stored_run(run_ref: str, db: Path, calibration: Path | None, kernels: bool = True) -> dict[str, Any]:
     """Prediction, measurement and errors for one stored run (the logic behind `predict-run`)."""
     from ddlscope.analysis.summary import summarize
     from ddlscope.calibrate import workload_facts
@@ -572,7 +576,7 @@ def predict_stored_run(run_ref: str, db: Path, calibration: Path | None) -> dict
         run = store.get_run(run_ref)
         summary = summarize(store, run).to_dict()
         profile, source = resolve_calibration(store, calibration, run.host)
-    facts = workload_facts(run.config)
+    facts = workload_facts(run.config, time_kernels=kernels)
     predicted = predict_local(run.config, run.environment, facts, profile)
     measured = measured_from_summary(summary)
     return {"run": {"id": run.id, "name": run.name, "workload": run.workload, "strategy": run.strategy,

@@ -99,10 +99,28 @@ def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[
         world=int(config["cluster"]["world_size"]), servers=spec.extra_ranks(),
         cores=int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1),
         link=emulated_link(environment), profile=profile, facts=facts,
-        alone_s=facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw,
+        alone_s=alone_compute_s(facts, compute, op_s, mem_bw),
         op_s=op_s, memory_bandwidth_bytes_per_s=mem_bw, optimizer_kind=opt_kind,
         per_tensor_s=float(2 * op_s if compute.optimizer_tensor_s is None else compute.optimizer_tensor_s)
         * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2)
+
+
+def alone_compute_s(facts: dict[str, Any], compute: Any, op_s: float, mem_bw: float) -> float:
+    """One rank's forward + backward alone: the workload's kernels as timed on this machine where the
+    facts have them (calibrate/facts.py kernel_times), else ops x overhead + FLOPs at the calibrated
+    rates + the other ops' bytes at memory bandwidth."""
+    kernels = facts.get("kernels")
+    if kernels:
+        return float(kernels["forward_s"] + kernels["backward_s"])
+    return facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw
+
+
+def forward_share(facts: dict[str, Any]) -> float:
+    """Forward's part of forward + backward: as timed where the kernels were, else the FLOPs' 1 in 3."""
+    kernels = facts.get("kernels")
+    if kernels and kernels["forward_s"] + kernels["backward_s"] > 0:
+        return float(kernels["forward_s"] / (kernels["forward_s"] + kernels["backward_s"]))
+    return 1 / 3
 
 
 def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -136,12 +154,19 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     if probed_stretch is not None:
         stretch = probed_stretch
     compute_s = case.alone_s * stretch
-    forward_s, backward_s = compute_s / 3, 2 * compute_s / 3
+    forward_s = compute_s * forward_share(facts)
+    backward_s = compute_s - forward_s
+    # Reading the batch (the in-memory split's gather): timed with the kernels, else not priced.
+    data_s = float(facts["kernels"]["data_s"]) * stretch if facts.get("kernels") else 0.0
 
     n_tensors = len(facts["param_numel"])
     local_params = estimator.local_optimizer_bytes(spec, case)
-    optimizer_s = (n_tensors * estimator.local_optimizer_tensor_s(spec, case)
-                   + (3 + 2 * STATE_TENSORS[case.optimizer_kind]) * local_params / mem_bw) * stretch
+    tensor_s = estimator.local_optimizer_tensor_s(spec, case)
+    timed_s = (facts.get("kernels") or {}).get("optimizer_s")
+    if timed_s is not None and local_params == case.param_bytes and tensor_s == case.per_tensor_s:
+        optimizer_s = float(timed_s) * stretch  # the whole model's plain tensors: as timed with the kernels
+    else:  # a shard, or DTensors (FSDP): passes over the local bytes + the per-tensor overhead
+        optimizer_s = (n_tensors * tensor_s + (3 + 2 * STATE_TENSORS[case.optimizer_kind]) * local_params / mem_bw) * stretch
     zero_grad_s = n_tensors * op_s * stretch
     comm = estimator.local_comm(spec, case, LocalStep(stretch, forward_s, backward_s, zero_grad_s))
     if not spec.traits.local_optimizer:  # the servers step; the workers only zero their gradients
@@ -151,19 +176,18 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # The synchronisation probe is for a strategy with no probe of its own that holds the wait.
     sync_s = sync_overhead_s if world > 1 and not comm.holds_sync_wait else 0.0
     # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
-    busy_s = compute_s + optimizer_s
+    # Counted for DDP and FSDP too, whose probes hold the turn-taking of their own (tiny) compute only:
+    # with the compute timed as kernels, CNN ddp x4 on 2 cores went from -63% to -33% and the MLP's from
+    # -15% to +11% (benchmarks/predict_local.py, docs/calibrate.md).
+    busy_s = compute_s + optimizer_s + data_s
     turn_wait_s = busy_period_s(busy_s / stretch, stretch, oversubscription) - busy_s
-    if turn_wait_s > 0 and comm.holds_turn_taking:
-        # The DDP/FSDP probe differences whole synchronised steps at this world size on these cores:
-        # ranks waiting at the all-reduce for one that had no core are inside it already. Counted again
-        # here, ddp x4 on 2 cores came out 10-29% slow in five benchmark runs (docs/calibrate.md).
-        notes.append(f"{world} computing ranks on {case.cores} cores: the {spec.name} probe's cost holds their "
-                     f"turn-taking at the synchronisation")
-        turn_wait_s = 0.0
     if turn_wait_s > 0:
         notes.append(f"{world} computing ranks on {case.cores} cores: each waits its turn for a core "
                      f"({turn_wait_s * 1e3:.2f} ms a step, counted as waiting)")
-    breakdown = {"data_s": 0.0, "forward_s": forward_s, "backward_s": backward_s,
+    if facts.get("kernels"):
+        notes.append(f"compute alone: this workload's forward and backward timed on this machine "
+                     f"({facts['kernels']['steps']} steps at {facts['per_rank_batch']} samples), not its FLOPs")
+    breakdown = {"data_s": data_s, "forward_s": forward_s, "backward_s": backward_s,
                  "comm_wait_s": comm.comm_s + sync_s + max(turn_wait_s, 0.0), "optimizer_s": optimizer_s}
     memory = estimator.local_memory(spec, case)
     link = case.link

@@ -59,10 +59,8 @@ class LocalComm:
 
     comm_s: float = 0.0
     # A probe of this strategy holds the ranks' per-step synchronisation wait (the calibrated
-    # sync_overhead_s must not be added again) ...
+    # sync_overhead_s must not be added again).
     holds_sync_wait: bool = False
-    # ... and the turn-taking of more computing ranks than cores at that synchronisation.
-    holds_turn_taking: bool = False
     notes: list[str] = field(default_factory=list)
 
 

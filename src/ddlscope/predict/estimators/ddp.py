@@ -60,7 +60,7 @@ class DDPEstimator(Estimator):
         each bucket's all-reduce. Without a DDP probe: the all-reduces from the collective table.
 
         The probe times whole synchronised steps at this world size on these cores, so it holds the
-        ranks' wait for each other and their turn-taking for a core.
+        ranks' wait for each other (and the turn-taking for a core of its own small compute only).
 
         A compression hook sends `payload_fraction` of the bytes (all-gathered for top-k, QSGD and
         min-max 8-bit, each rank then decoding every rank's message) and adds its encode passes over the
@@ -86,7 +86,7 @@ class DDPEstimator(Estimator):
         if case.link is not None:
             machine_s = max(machine_s, float(overhead_s[0])
                             + buckets * emulated_s(case.link, kind, sent_bytes / buckets, case.world))
-        return LocalComm(machine_s + codec_s, holds_sync_wait=True, holds_turn_taking=True, notes=notes)
+        return LocalComm(machine_s + codec_s, holds_sync_wait=True, notes=notes)
 
 
 def cluster_plan(spec: DDPSpec, case: ClusterCase) -> plans.BucketPlan:

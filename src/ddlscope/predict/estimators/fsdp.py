@@ -48,7 +48,7 @@ class FSDPEstimator(Estimator):
         if spec.wrap == "model":
             units = [int(case.param_bytes)]
         probe = machine_probe(case.profile, "fsdp", case.world)
-        comm = LocalComm(holds_sync_wait=probe is not None, holds_turn_taking=probe is not None)
+        comm = LocalComm(holds_sync_wait=probe is not None)
         if probe is None:
             comm.notes.append("fsdp: the calibration has no FSDP per-unit probe (rerun ddlscope calibrate)")
         world, link = case.world, case.link
