@@ -1,4 +1,4 @@
-"""The runtime's training loop on local gloo ranks, for the multi-process model-parallel tests.
+"""The runtime's training loop on local gloo ranks, for the multi-process tests.
 
 `spawn_runs` starts `world` processes once and runs several experiments one after another in one process
 group: rank 0 saves each run's full state dict as NAME.pt, every rank its rows as NAME-RANK.json.
@@ -35,8 +35,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_rank(overrides: dict, rank: int, world: int, rows: Path, adjust: Adjust = None) -> tuple[dict, list[dict]]:
-    """One run of the loop on this rank: the full state dict (collective) and this rank's rows."""
+def train_rank(overrides: dict, rank: int, world: int, rows: Path, adjust: Adjust = None, *,
+               whole_model: bool = True) -> tuple[dict, list[dict]]:
+    """One run of the loop on this rank: the full state dict (collective; with `whole_model=False`, this
+    rank's own copy instead, unwrapped from DDP: local SGD's ranks differ between averages) and this
+    rank's rows."""
     exp = load_experiment(None, overrides)
     ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
     task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
@@ -46,7 +49,10 @@ def train_rank(overrides: dict, rank: int, world: int, rows: Path, adjust: Adjus
     writer = RowWriter(rows, rank)
     result = train(task, strategy, ctx, writer)
     writer.close()
-    return strategy.full_state_dict(result.model), list(read_records(rows))
+    if whole_model:
+        return strategy.full_state_dict(result.model), list(read_records(rows))
+    module = getattr(result.model, "module", result.model)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, list(read_records(rows))
 
 
 def _worker(rank: int, port: int, out: str, world: int, runs: list[Run]) -> None:

@@ -163,23 +163,12 @@ def train_all(out_dir: str, configs: dict[str, dict[str, Any]]) -> dict[str, Any
     """One rank: every configuration in turn, then (rank 0 alone) `single` on the global batch."""
     import torch.distributed as dist
 
-    from ddlscope.runtime.config import load_experiment
-    from ddlscope.runtime.loop import train
-    from ddlscope.runtime.rows import RowWriter, read_records
-    from ddlscope.strategies import RunContext, runtime_class
-    from ddlscope.workloads import WORKLOADS
+    from rank_runs import records, train_rank
 
     def run(label: str, overrides: dict[str, Any], rank: int, world: int) -> None:
-        exp = load_experiment(None, {**COMMON, "cluster.world_size": world, **overrides})
-        ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
-        task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-        path = Path(out_dir) / f"{label}-{rank}.jsonl"
-        writer = RowWriter(path, rank)
-        result = train(task, runtime_class(exp.strategy)(exp.strategy, ctx), ctx, writer)
-        writer.close()
-        module = getattr(result.model, "module", result.model)
-        models[label] = {k: v.detach().clone() for k, v in module.state_dict().items()}
-        rows[label] = [r for r in read_records(path) if r.get("kind") == "step"]
+        models[label], run_rows = train_rank({**COMMON, "cluster.world_size": world, **overrides}, rank, world,
+                                             Path(out_dir) / f"{label}-{rank}.jsonl", whole_model=False)
+        rows[label] = records(run_rows, "step")
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

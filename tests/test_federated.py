@@ -165,11 +165,7 @@ def train_all(out_dir: str, configs: dict[str, dict[str, Any]], world: int) -> d
     """One rank: every configuration in turn, through the real loop; its final models and its rows."""
     import torch.distributed as dist
 
-    from ddlscope.runtime.config import load_experiment
-    from ddlscope.runtime.loop import train
-    from ddlscope.runtime.rows import RowWriter, read_records
-    from ddlscope.strategies import RunContext, runtime_class
-    from ddlscope.workloads import WORKLOADS
+    from rank_runs import train_rank
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
@@ -177,15 +173,9 @@ def train_all(out_dir: str, configs: dict[str, dict[str, Any]], world: int) -> d
     models, records = {}, {}
     try:
         for label, overrides in configs.items():
-            exp = load_experiment(None, {**COMMON, "workload.steps": ROUNDS, "cluster.world_size": world, **overrides})
-            ctx = RunContext(rank, world, rank, 0, torch.device("cpu"), "gloo", exp)
-            task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
-            path = Path(out_dir) / f"{label}-{rank}.jsonl"
-            writer = RowWriter(path, rank)
-            result = train(task, runtime_class(exp.strategy)(exp.strategy, ctx), ctx, writer)
-            writer.close()
-            models[label] = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
-            records[label] = list(read_records(path))
+            models[label], records[label] = train_rank(
+                {**COMMON, "workload.steps": ROUNDS, "cluster.world_size": world, **overrides}, rank, world,
+                Path(out_dir) / f"{label}-{rank}.jsonl", whole_model=False)
     finally:
         if world > 1:
             dist.destroy_process_group()
