@@ -63,6 +63,7 @@ class Gossip(ReplicatedModel):
         self.sending: dict[int, Any] = {}  # peer -> the Work of the last message sent to it (async)
         self.mixed: dict[int, int] = {}  # peer -> copies of its model mixed in (async)
         self.staleness_sum = 0  # over the mixed copies: this rank's step minus the sender's
+        self.disagreement_sum = 0.0  # over the mixed copies: ||mine - copy|| / ||mine|| before the mix
         self.noise = torch.Generator(device=self.ctx.device).manual_seed(self.ctx.experiment.seed * 1000 + self.ctx.rank)
         self.train_samples = 0
 
@@ -149,6 +150,7 @@ class Gossip(ReplicatedModel):
         """The mean of this rank's model and each neighbour's newest copy that arrived since the last mix."""
         assert self.model is not None
         arrived = [(inbox.peer, inbox.take()) for inbox in self.inboxes]
+        mine = flat_parameters(self.model)
         copies = []
         for peer, newest in arrived:
             if newest is not None:
@@ -156,8 +158,9 @@ class Gossip(ReplicatedModel):
                 copies.append(flat)
                 self.mixed[peer] += 1
                 self.staleness_sum += self.step - sender_step
+                self.disagreement_sum += ((mine - flat).norm() / mine.norm().clamp(min=1e-12)).item()
         if copies:
-            load_flat_parameters(self.model, torch.stack([flat_parameters(self.model), *copies]).mean(dim=0))
+            load_flat_parameters(self.model, torch.stack([mine, *copies]).mean(dim=0))
 
     def finish(self, model: nn.Module) -> None:
         """Async: the final model as each neighbour's last message, then wait for theirs (the inboxes end)."""
@@ -194,6 +197,10 @@ class Gossip(ReplicatedModel):
                     "gossip_mean_staleness_steps", self.staleness_sum / mixed,
                     f"rank {self.ctx.rank}: own step minus the sender's, over the copies mixed in "
                     "(negative: neighbours ahead)", rank=self.ctx.rank))
+                events.append(strategy_metric(
+                    "gossip_consensus_distance", self.disagreement_sum / mixed,
+                    f"rank {self.ctx.rank}: mean ||own - neighbour's copy|| / ||own|| when mixing it in",
+                    rank=self.ctx.rank))
         return events
 
     def checkpoint_state(self) -> dict[str, Any]:
