@@ -211,3 +211,38 @@ def test_noise_zero_is_the_plain_run_and_a_private_run_reports_its_epsilon(launc
     # sync gossip: one model to the one neighbour each step, whatever the privacy
     plain_bytes = [r["bytes_sent"] for r in results[1]["rows"]["plain"]]
     assert plain_bytes == [r["bytes_sent"] for r in results[1]["rows"]["private"]] and plain_bytes[0] > 0
+
+
+# ---------------------------------------------------------------------------------------------- estimator
+def test_async_estimate_lets_a_straggler_slow_only_itself_and_dp_costs_compute_and_memory():
+    from test_dataparallel_units import _cluster_estimate
+
+    from ddlscope.specs.strategies.gossip import GossipSpec
+
+    sync, mem = _cluster_estimate(GossipSpec(topology="ring"))
+    asyn, _ = _cluster_estimate(GossipSpec(topology="ring", mode="async"))
+    sync_slow, _ = _cluster_estimate(GossipSpec(topology="ring"), slowdowns=[2.0])
+    async_slow, _ = _cluster_estimate(GossipSpec(topology="ring", mode="async"), slowdowns=[2.0])
+    # Evenly paced: async hides the messages behind the next step's compute, sync waits for them
+    assert asyn.compute_s == pytest.approx(sync.compute_s)
+    assert asyn.step_s == pytest.approx(asyn.compute_s + max(0.0, asyn.comm_s - asyn.compute_s), rel=1e-9)
+    assert sync.step_s == pytest.approx(sync.compute_s + sync.comm_s, rel=1e-9)
+    assert asyn.mean_staleness_steps == 0.0
+    # A 2x straggler among 32: sync runs everybody at its pace (one more compute time), async loses only
+    # the straggler's half of its own steps
+    assert sync_slow.step_s - sync.step_s == pytest.approx(sync.compute_s, rel=1e-9)
+    c, comm = asyn.compute_s, asyn.comm_s
+    assert comm < c  # resnet50 on A100s: the ring's messages hide behind a step
+    rate = 31 / c + 1 / (2 * c)  # steps per second of the 32 workers
+    assert async_slow.samples_per_s == pytest.approx(rate * 32, rel=1e-9)  # 32 samples per worker step
+    assert async_slow.samples_per_s > 0.95 * asyn.samples_per_s > sync_slow.samples_per_s
+    assert 0 < async_slow.mean_staleness_steps < 1
+    private, mem_private = _cluster_estimate(GossipSpec(topology="ring", dp_noise_multiplier=1.0))
+    assert private.compute_s == pytest.approx(sync.compute_s * 4 / 3, rel=1e-9)
+    assert mem_private - mem == pytest.approx(32 * 4.0 * image_params(), rel=1e-6)  # batch 32 per-sample copies
+
+
+def image_params() -> float:
+    from test_dataparallel_units import image_params as params
+
+    return params()
