@@ -39,7 +39,7 @@ REGIMES = tuple((network, workers) for network in NETWORKS for workers in ("homo
 def cell(name: str, network: str, workers: str, world: int = QUICK_WORKERS) -> Cell:
     strategy, _, variant = name.partition("+")
     if (strategy, variant) in KNOB_CELLS:
-        return knob_cell(strategy, variant, network, world)
+        return knob_cell(strategy, variant, network, world, workers)
     return accuracy_cell(SETTING, strategy, network, workers, world, variant)
 
 
@@ -56,14 +56,16 @@ BUCKET_KNOBS: dict[str, dict[str, object]] = {"per_layer": {"buckets": "per_laye
 # localsgd's compressed average: each model's change since the last average in bf16.
 KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
     **{("ddp", v): knobs for v, knobs in {**COMPRESSION_KNOBS, **BUCKET_KNOBS}.items()},
-    ("localsgd", "bf16"): {"compression": "bf16"}}
+    ("localsgd", "bf16"): {"compression": "bf16"},
+    ("gossip", "async"): {"mode": "async"}}  # asynchronous gossip: studied where it should win, with a straggler
 QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")
 TIE_FRACTION = 0.05  # exposed communication this close is one run's noise on a shared machine  # the quick study's two: on the slow network
 
 
-def knob_cell(strategy: str, variant: str, network: str, world: int = QUICK_WORKERS) -> Cell:
+def knob_cell(strategy: str, variant: str, network: str, world: int = QUICK_WORKERS,
+              workers: str = "homogeneous") -> Cell:
     """The strategy's accuracy cell with the knobs of `variant` (a compression hook, a bucket plan)."""
-    base = accuracy_cell(SETTING, strategy, network, "homogeneous", world, variant)
+    base = accuracy_cell(SETTING, strategy, network, workers, world, variant)
     raw = experiment_to_dict(base.experiment)
     raw["strategy"] = {**raw["strategy"], **KNOB_CELLS[(strategy, variant)]}
     return build_cell(base.key, base.labels, raw)
@@ -92,6 +94,7 @@ class DataParallelStudy(Study):
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
+            cells += [cell("gossip+async", network, "straggler") for network in NETWORKS]
         cells += ddp_knob_cells(quick)
         return cells + repeated(SETTING, cells, repeats)
 
