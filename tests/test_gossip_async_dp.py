@@ -246,3 +246,21 @@ def image_params() -> float:
     from test_dataparallel_units import image_params as params
 
     return params()
+
+
+def test_local_estimate_of_async_adds_no_sync_wait_and_dp_one_more_forward():
+    from test_regression_numbers import FACTS, PROFILE
+
+    from ddlscope.predict.local import predict_local
+
+    def predicted(**strategy):
+        config = {"workload": {"name": "mlp-digits"}, "strategy": {"name": "gossip", **strategy},
+                  "cluster": {"world_size": 2}}
+        return predict_local(config, {}, FACTS, PROFILE)
+
+    sync, asyn, private = predicted(), predicted(mode="async"), predicted(dp_noise_multiplier=1.0)
+    assert asyn["breakdown_s"]["comm_wait_s"] < sync["breakdown_s"]["comm_wait_s"]
+    assert asyn["breakdown_s"]["forward_s"] == pytest.approx(sync["breakdown_s"]["forward_s"], rel=1e-9)
+    compute = {name: p["breakdown_s"]["forward_s"] + p["breakdown_s"]["backward_s"] for name, p in
+               (("sync", sync), ("private", private))}
+    assert compute["private"] == pytest.approx(compute["sync"] * 4 / 3, rel=1e-9)

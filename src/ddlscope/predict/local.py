@@ -135,7 +135,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     probed_stretch = estimator.local_compute_stretch(spec, case)
     if probed_stretch is not None:
         stretch = probed_stretch
-    compute_s = case.alone_s * stretch
+    compute_s = case.alone_s * stretch * estimator.local_compute_factor(spec, case)
     forward_s, backward_s = compute_s / 3, 2 * compute_s / 3
 
     n_tensors = len(facts["param_numel"])

@@ -64,6 +64,9 @@ class GossipEstimator(Estimator):
             copies += case.workload.batch_per_worker
         return case.replicated_state_bytes + case.activation_bytes + extra_copies_bytes(case, copies), None
 
+    def local_compute_factor(self, spec: GossipSpec, case: LocalCase) -> float:
+        return PRIVATE_COMPUTE_FACTOR if spec.private else 1.0
+
     def local_comm(self, spec: GossipSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         peers = degree(spec, case.world)
         exchange_s = peers * message_s(case.profile, "p2p", case.param_bytes, 2, case.link)
