@@ -184,11 +184,9 @@ def test_async_gossip_under_a_straggler_finishes_without_waiting_for_it(launched
     # Consensus: the two models stay close (mixing works), though not equal (asynchrony); both learned
     final = {rank: results[rank]["models"]["async-straggler"] for rank in (0, 1)}
     apart = relative_distance(final[0], final[1])
-    print(f"async consensus: final relative distance {apart:.4g}; when mixing", [
-        m["gossip_consensus_distance"]["value"] for m in (fast, slow)])
     assert 1e-6 < apart < 0.2, apart
-    # Mixing keeps the copies a worker meets close to its own (about 0.5% apart here; 3.5% with the mix skipped)
-    assert all(0 < m["gossip_consensus_distance"]["value"] < 0.015 for m in (fast, slow)), (fast, slow)
+    # Mixing keeps the copies a worker meets close to its own (0.5-0.8% apart here; 3.5% with the mix skipped)
+    assert all(0 < m["gossip_consensus_distance"]["value"] < 0.02 for m in (fast, slow)), (fast, slow)
     assert all(r[-1]["loss"] < 0.9 * r[0]["loss"] for r in rows.values())
     assert "privacy_epsilon" not in fast
 

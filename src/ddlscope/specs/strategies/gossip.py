@@ -35,7 +35,8 @@ Mode = Literal["sync", "async"]
 @strategy_spec
 class GossipSpec(StrategySpec):
     traits = Traits(family="decentralized", simplicity=7, synchronous=False)
-    description = "gossip: each step average the model with the neighbours in a ring, torus, exponential or complete graph"
+    description = ("gossip: each step average the model with the neighbours in a ring, torus, exponential or complete "
+                   "graph; sync or async, optional DP-SGD noise with its epsilon")
     advice = "no central server or global collective: each worker talks to a few neighbours only"
 
     name: Literal["gossip"] = "gossip"
