@@ -15,6 +15,9 @@ mix. On an emulated network the message carries its emulated transfer time
 and the inbox holds it back that long. At the end each worker sends its final
 model flagged as the last message; an inbox stops after its neighbour's last,
 so finishing needs no count of messages and cannot deadlock on a straggler.
+Messages travel on gloo (any thread may drive its point-to-point); under nccl
+they go through a gloo group of the same ranks, staged in host memory (not
+run here: one GPU cannot hold two nccl ranks).
 
 Differential privacy (`dp_noise_multiplier` > 0): per-sample gradients
 (torch.func: `vmap` over `grad` of a one-sample `functional_call`), each
@@ -71,9 +74,13 @@ class Gossip(ReplicatedModel):
         self.peers = self.spec.neighbours(self.ctx.rank, self.ctx.workers)
         model = super().wrap(model)
         if self.spec.mode == "async":
+            # Messages from a receiving thread: on gloo, whose point-to-point any thread may drive; on a GPU
+            # (nccl) through a gloo group of the same ranks, staged in host memory.
+            self.message_group = self.group if self.ctx.backend == "gloo" else dist.new_group(backend="gloo")
             numel = sum(p.numel() for p in model.parameters())
             dtype = next(model.parameters()).dtype
-            self.inboxes = [NeighbourInbox(peer, numel, dtype, self.ctx.device, self.group) for peer in self.peers]
+            self.inboxes = [NeighbourInbox(peer, numel, dtype, torch.device("cpu"), self.message_group)
+                            for peer in self.peers]
             self.mixed = {peer: 0 for peer in self.peers}
         return model
 
@@ -139,12 +146,12 @@ class Gossip(ReplicatedModel):
         """This rank's model to every neighbour, without waiting for it to arrive: only the previous
         message to the same neighbour must have left (one in flight per neighbour)."""
         assert self.model is not None
-        mine = flat_parameters(self.model)
+        mine = flat_parameters(self.model).cpu()
         for peer in self.peers:
             previous = self.sending.pop(peer, None)
             if previous is not None:
                 previous.wait()
-            self.sending[peer] = send_message(mine, self.step, last, peer, self.comm, self.group)
+            self.sending[peer] = send_message(mine, self.step, last, peer, self.comm, self.message_group)
 
     def _mix_arrived(self) -> None:
         """The mean of this rank's model and each neighbour's newest copy that arrived since the last mix."""
@@ -155,6 +162,7 @@ class Gossip(ReplicatedModel):
         for peer, newest in arrived:
             if newest is not None:
                 sender_step, flat = newest
+                flat = flat.to(mine.device)
                 copies.append(flat)
                 self.mixed[peer] += 1
                 self.staleness_sum += self.step - sender_step
