@@ -79,6 +79,8 @@ class Gossip(ReplicatedModel):
             self.message_group = self.group if self.ctx.backend == "gloo" else dist.new_group(backend="gloo")
             numel = sum(p.numel() for p in model.parameters())
             dtype = next(model.parameters()).dtype
+            if dtype not in (torch.float32, torch.float64):  # the header's step count must stay exact
+                raise RuntimeError(f"gossip mode async sends float32 or float64 models, not {dtype}")
             self.inboxes = [NeighbourInbox(peer, numel, dtype, torch.device("cpu"), self.message_group)
                             for peer in self.peers]
             self.mixed = {peer: 0 for peer in self.peers}
