@@ -69,6 +69,10 @@ class Summary:
     # Evaluations of named predictors on parts of the test set, from `block_eval` events (federated
     # per-block predictors): predictor, block, accuracy, loss, samples.
     block_evals: list[dict[str, Any]] = field(default_factory=list)
+    # Run-level numbers a strategy reports after training (`strategy_metric` events), as it wrote them:
+    # name, value, detail (one line saying what it is), rank where it is one rank's (e.g. gossip's privacy
+    # epsilon, or the neighbour copies an asynchronous worker mixed in).
+    strategy_metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def timing_basis(self) -> str:
@@ -225,6 +229,8 @@ def summarize(store: Store, run: Run, steps: StepAggregates | None = None) -> Su
     _add_utilization(summary, store, run)
     _add_recovery(summary, store, run)
     summary.block_evals = [json.loads(e["message"]) for e in store.events(run.id) if e["kind"] == "block_eval"]
+    metrics = [json.loads(e["message"]) for e in store.events(run.id) if e["kind"] == "strategy_metric"]
+    summary.strategy_metrics = sorted(metrics, key=lambda m: (m.get("rank", -1), m["name"]))  # run-wide first
     return summary
 
 

@@ -431,6 +431,8 @@ def _print_summary(s: Any) -> None:
                      f"over {s.staleness['updates']:.0f} server updates")
     if s.server_busy_fraction is not None:
         head.add_row("server busy", f"{s.server_busy_fraction:.1%} of its wall time applying updates")
+    for metric in getattr(s, "strategy_metrics", []):  # what the strategy reported, as it worded it
+        head.add_row(escape(str(metric["name"])), escape(f"{metric['value']:.4g}  {metric.get('detail', '')}"))
     if s.final_eval:
         e = s.final_eval
         head.add_row("final eval", f"{escape(str(e['metric_name']))} {e['metric']:.4f}, loss {e['loss']:.4f} "

@@ -153,7 +153,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     probed_stretch = estimator.local_compute_stretch(spec, case)
     if probed_stretch is not None:
         stretch = probed_stretch
-    compute_s = case.alone_s * stretch
+    compute_s = case.alone_s * stretch * estimator.local_compute_factor(spec, case)
     forward_s = compute_s * forward_share(facts)
     backward_s = compute_s - forward_s
     # Reading the batch (the in-memory split's gather): timed with the kernels, else not priced.

@@ -62,7 +62,8 @@ KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
     **{("ddp", v): knobs for v, knobs in {**COMPRESSION_KNOBS, **BUCKET_KNOBS}.items()},
     ("localsgd", "bf16"): {"compression": "bf16"},
     ("ddp", "speeds"): {"batch_split": "cluster"},
-    ("ps-async", "hogbatch"): {"batch_split": "cluster", "lock_free": True}}
+    ("ps-async", "hogbatch"): {"batch_split": "cluster", "lock_free": True},
+    ("gossip", "async"): {"mode": "async"}}  # asynchronous gossip: studied where it should win, with a straggler
 QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")  # the quick study's two: on the slow network
 TIE_FRACTION = 0.05  # exposed communication this close is one run's noise on a shared machine
 
@@ -120,6 +121,7 @@ class DataParallelStudy(Study):
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
+            cells += [cell("gossip+async", network, "straggler") for network in NETWORKS]
         cells += ddp_knob_cells(quick)
         # The knob cells' seeds come from repeated_knob_cells: `repeated` rebuilds a cell without its knobs.
         batching = batching_cells(quick)

@@ -102,6 +102,11 @@ class Estimator:
         measured it; None: the synchronisation probe's."""
         return None
 
+    def local_compute_factor(self, spec: StrategySpec, case: LocalCase) -> float:
+        """A worker's compute per step over a plain forward and backward of its batch (e.g. gossip's
+        per-sample gradients for differential privacy compute one more forward): 1 by default."""
+        return 1.0
+
     def local_optimizer_bytes(self, spec: StrategySpec, case: LocalCase) -> float:
         """Parameter bytes the optimizer steps on one worker."""
         return case.param_bytes

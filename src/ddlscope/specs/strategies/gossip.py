@@ -1,4 +1,4 @@
-"""`gossip`: decentralised averaging with neighbours, no server (PAPERS.md item 11, without its privacy part).
+"""`gossip`: decentralised averaging with neighbours, no server (PAPERS.md item 11, A(DP)^2SGD).
 
 After each local optimizer step a worker sends its parameters to its
 neighbours in the topology, receives theirs, and keeps the uniform mean of
@@ -6,6 +6,17 @@ its own and theirs (weight 1 / (degree + 1) each). Every topology here is
 symmetric and regular, so the mixing matrix is doubly stochastic and the
 workers' mean model moves like synchronous SGD's. On the complete graph the
 mean over all is global averaging: local SGD with period 1.
+
+`mode = "async"`: a worker never waits for its neighbours' models of the same
+step; it mixes in the newest copy of each neighbour's model that arrived since
+its last mix (none arrived: that neighbour is left out of this mix), so a
+straggler slows only itself.
+
+Differential privacy (`dp_noise_multiplier` > 0), DP-SGD style: each sample's
+gradient is clipped to `dp_clip_norm`, Gaussian noise of standard deviation
+noise multiplier x clip norm is added to their sum before the local step, so
+every model a worker shares is private; the privacy spent is epsilon at
+`dp_delta` (specs/privacy.py, Google's dp-accounting).
 """
 
 from __future__ import annotations
@@ -18,17 +29,31 @@ from pydantic import Field
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
 
 Topology = Literal["ring", "torus", "exponential", "complete"]
+Mode = Literal["sync", "async"]
 
 
 @strategy_spec
 class GossipSpec(StrategySpec):
     traits = Traits(family="decentralized", simplicity=7, synchronous=False)
-    description = "gossip: each step average the model with the neighbours in a ring, torus, exponential or complete graph"
+    description = ("gossip: each step average the model with the neighbours in a ring, torus, exponential or complete "
+                   "graph; sync or async, optional DP-SGD noise with its epsilon")
     advice = "no central server or global collective: each worker talks to a few neighbours only"
 
     name: Literal["gossip"] = "gossip"
     topology: Topology = Field("ring", description="ring (2 neighbours), torus (2-D, up to 4), exponential "
                                                    "(ranks at distance 2^k), complete (everybody)")
+    mode: Mode = Field("sync", description="sync: every step waits for each neighbour's model of the same step; "
+                                           "async: mix in whatever neighbour models have arrived, never wait")
+    dp_noise_multiplier: float = Field(0.0, ge=0, description="differential privacy: Gaussian noise std over the "
+                                                              "per-sample clip norm (0: no privacy, no clipping)")
+    dp_clip_norm: float = Field(1.0, gt=0, description="differential privacy: each sample's gradient is clipped to "
+                                                       "this L2 norm (used when dp_noise_multiplier > 0)")
+    dp_delta: float = Field(1e-5, gt=0, lt=1, description="differential privacy: the delta epsilon is reported at")
+
+    @property
+    def private(self) -> bool:
+        """Whether updates are clipped and noised (and epsilon reported)."""
+        return self.dp_noise_multiplier > 0
 
     def neighbours(self, rank: int, world: int) -> list[int]:
         """The ranks `rank` exchanges with, sorted; symmetric (j in i's list iff i in j's) and never itself."""
