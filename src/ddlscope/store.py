@@ -313,11 +313,10 @@ class Store:
         """Insert batches of rows idempotently (keyed by run, rank and step or seq), all of them in one
         transaction: executemany per table and batch, so that millions of rows go in at C speed.
 
-        The run must exist (sqlite3.IntegrityError otherwise, nothing written). Its foreign key is
-        checked once here rather than by sqlite on every row (a lookup in `runs` per row, about a fifth
-        of the insert's cost): foreign_keys is off on this connection for the transaction only."""
+        The run must exist (sqlite3.IntegrityError otherwise, nothing written). See `_bulk_load` for
+        what this connection does differently meanwhile."""
         counts = {kind: 0 for kind in RECORD_KINDS}
-        with self._foreign_keys_checked_once(), self.transaction() as c:
+        with self._bulk_load(), self.transaction() as c:
             if c.execute("SELECT 1 FROM runs WHERE id=?", (run_id,)).fetchone() is None:
                 raise sqlite3.IntegrityError(f"FOREIGN KEY constraint failed: no run {run_id} in {self.path}")
             for batch in batches:
@@ -328,9 +327,15 @@ class Store:
         return counts
 
     @contextmanager
-    def _foreign_keys_checked_once(self) -> Iterator[None]:
-        """foreign_keys off for a bulk insert whose one parent row its caller checks (the pragma is a
-        no-op inside a transaction, so it is set around it)."""
+    def _bulk_load(self) -> Iterator[None]:
+        """foreign_keys off on this connection for one big insert whose caller checks the one parent
+        row (the run) once, rather than sqlite on every row (a lookup in `runs` per row, about a fifth
+        of the insert's cost). Set around the transaction (the pragma is a no-op inside one) and back
+        on after it, whether it commits or not.
+
+        synchronous stays as the store has it: off during the ingest saved about 1 s of fsync at 10
+        million rows here, but the launcher's next commit (the run's status) then waited for those
+        same writes, so it bought nothing end to end and would have risked the store on a power loss."""
         self.conn.execute("PRAGMA foreign_keys=OFF")
         try:
             yield
@@ -541,6 +546,7 @@ class RowBatch:
     memory: list[tuple[Any, ...]] = field(default_factory=list)
     events: list[tuple[Any, ...]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: {kind: 0 for kind in RECORD_KINDS})
+    _prepared: Any = field(default=None, init=False, repr=False, compare=False)  # (run id, statements)
 
     def add(self, rec: dict[str, Any]) -> None:
         """One worker record (a dict as a rank wrote it); records of other kinds are ignored. A memory
@@ -563,8 +569,21 @@ class RowBatch:
     def __len__(self) -> int:
         return sum(self.counts.values())
 
+    def prepare(self, run_id: int) -> "RowBatch":
+        """Make the inserts' parameter rows now (Python objects: a parsing thread's work, not the
+        inserting thread's); `statements(run_id)` then hands them out. Returns the batch."""
+        self._prepared = (run_id, [(sql, rows if isinstance(rows, list) else list(rows))
+                                   for sql, rows in self._statements(run_id)])
+        return self
+
     def statements(self, run_id: int) -> Iterator[tuple[str, Iterable[Sequence[Any]]]]:
         """Each insert and its parameter rows, the run id put in front of each row."""
+        prepared = self._prepared
+        if prepared is not None and prepared[0] == run_id:
+            return iter(prepared[1])
+        return self._statements(run_id)
+
+    def _statements(self, run_id: int) -> Iterator[tuple[str, Iterable[Sequence[Any]]]]:
         if self.step_matrix is not None and len(self.step_matrix):
             yield from _matrix_inserts(run_id, self.step_matrix)
         for table in ("steps", "evals", "updates", "memory", "events"):

@@ -13,8 +13,9 @@ import re
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ddlscope.store import RECORD_KINDS, STEP_COLUMNS, RowBatch, Store
 
@@ -120,10 +121,12 @@ def run_dir_for(store_path: Path, run_uuid: str) -> Path:
 def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
     """Every row of a run's files into the store, in one transaction (idempotent).
 
-    The files are read in chunks of whole lines, and PARSERS threads parse up to PARSE_AHEAD chunks
-    ahead of the inserts (pyarrow parses outside the GIL, and sqlite inserts release it), so parsing and
-    inserting overlap on the cores, and memory holds a few chunks whatever the size of the run."""
-    return store.ingest_batches(run_id, _parsed_ahead(run_files(run_dir)))
+    PARSERS threads read the files (a file of up to CHUNK_BYTES whole, a larger one in chunks of whole
+    lines), parse them and make the inserts' parameter rows, up to PARSE_AHEAD files or chunks ahead
+    of the inserts (pyarrow parses outside the GIL, and sqlite inserts release it), so parsing and
+    inserting overlap on the cores and the inserting thread does little but insert; memory holds a
+    few chunks whatever the size of the run."""
+    return store.ingest_batches(run_id, _parsed_ahead(run_files(run_dir), run_id))
 
 
 PARSERS = 2
@@ -135,21 +138,39 @@ _INT_KEYS = {"rank", "step", "samples", "bytes_sent"}
 _OTHER_START = re.compile(rb'\n\{"kind":"(?:eval|memory|event|update)"')
 
 
-def _parsed_ahead(paths: list[Path]) -> Iterator[RowBatch]:
-    """The files' batches in order, parsed on a pool of threads at most PARSE_AHEAD chunks ahead."""
+def _parsed_ahead(paths: list[Path], run_id: int) -> Iterator[RowBatch]:
+    """The files' batches in order, read and parsed on a pool of threads at most PARSE_AHEAD tasks ahead."""
     with ThreadPoolExecutor(PARSERS, thread_name_prefix="ddlscope-parse") as pool:
-        pending: deque[Future[RowBatch]] = deque()
+        pending: deque[Future[list[RowBatch]]] = deque()
         try:
-            for path in paths:
-                for chunk in file_chunks(path):
-                    pending.append(pool.submit(chunk_batch, chunk))
-                    if len(pending) > PARSE_AHEAD:
-                        yield pending.popleft().result()
+            for task in _parse_tasks(paths, run_id):
+                pending.append(pool.submit(task))
+                if len(pending) > PARSE_AHEAD:
+                    yield from pending.popleft().result()
             while pending:
-                yield pending.popleft().result()
+                yield from pending.popleft().result()
         finally:
             for future in pending:  # an insert failed: parse nothing more
                 future.cancel()
+
+
+def _parse_tasks(paths: list[Path], run_id: int) -> Iterator[Callable[[], list[RowBatch]]]:
+    """Work for the parsing threads, in order: a whole file up to CHUNK_BYTES (the thread reads it), or
+    a chunk of a larger file (read here, so that chunks split at line ends)."""
+    for path in paths:
+        if path.stat().st_size <= CHUNK_BYTES:
+            yield partial(_prepared_file, path, run_id)
+        else:
+            for chunk in file_chunks(path):
+                yield partial(_prepared_chunk, chunk, run_id)
+
+
+def _prepared_file(path: Path, run_id: int) -> list[RowBatch]:
+    return [batch.prepare(run_id) for batch in file_batches(path)]
+
+
+def _prepared_chunk(chunk: bytes, run_id: int) -> list[RowBatch]:
+    return [chunk_batch(chunk).prepare(run_id)]
 
 
 def file_chunks(path: Path) -> Iterator[bytes]:
