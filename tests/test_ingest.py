@@ -66,13 +66,15 @@ def _swap_fields(line: bytes, a: bytes, b: bytes) -> bytes:
     return line[:start] + line[middle + 1:end] + b"," + line[start:middle] + line[end:]
 
 
-@pytest.mark.parametrize("change", ["swap", "rename", "kind"])
+@pytest.mark.parametrize("change", ["swap", "swap same length", "rename", "kind"])
 def test_a_step_line_of_the_same_shape_but_other_keys_is_never_read_into_the_wrong_column(small_run, change):
     _, _, run_dir = small_run
     lines = rowfiles.rank_file(run_dir, 1).read_bytes().splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if b'"step":7,' in line)
     if change == "swap":  # same fields, another order: JSON reads it by name, a fixed column order must not
         lines[at] = _swap_fields(lines[at], b"forward_s", b"backward_s")
+    elif change == "swap same length":  # keys of one length: only their bytes tell them apart
+        lines[at] = _swap_fields(lines[at], b"step_s", b"comm_s")
     elif change == "rename":
         lines[at] = lines[at].replace(b'"loss":', b'"lost":')
     else:
