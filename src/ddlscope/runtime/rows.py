@@ -224,7 +224,6 @@ def chunk_batch(chunk: bytes) -> RowBatch:
 # microseconds a row here). Each key, the kind and the empty last field are read as bytes of their
 # exact length and compared whole with the ones expected, in order, so a line of another shape is
 # never read into the wrong column (a key of another length fails the read itself).
-_STEP_KINDS_KEYS = ("kind", *_STEP_SCHEMA_KEYS)
 _CSV_FIXED = {"key kind": b'{"kind"', "kind": b'"step"', **{f"key {k}": f'"{k}"'.encode() for k in _STEP_SCHEMA_KEYS},
               "close": b""}
 _CSV_NAMES = ("key kind", "kind", *(name for k in _STEP_SCHEMA_KEYS for name in (f"key {k}", k)), "close")
