@@ -39,11 +39,15 @@ def _rows(batch: RowBatch) -> dict[str, list[tuple]]:
             "updates": batch.updates}
 
 
+# More than one statement's worth of rows a file (store.ROWS_PER_INSERT, 256): both kinds of insert.
+STEPS = 300
+
+
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    """(store, run id, run dir) of 3 ranks x 250 steps, not yet ingested: tests that ingest copy it."""
+    """(store, run id, run dir) of 3 ranks x STEPS steps, not yet ingested: tests that ingest copy it."""
     db = tmp_path_factory.mktemp("ingest") / "s.db"
-    run_id, run_dir = write_synthetic_run(db, Shape(3, 250, eval_every=50, checkpoint_every=100))
+    run_id, run_dir = write_synthetic_run(db, Shape(3, STEPS, eval_every=50, checkpoint_every=100))
     return db, run_id, run_dir
 
 
@@ -54,7 +58,7 @@ def test_the_csv_reader_reads_the_workers_lines_exactly_as_read_records_does(sma
         fast = rowfiles._csv_batch(chunk)
         assert fast is not None, f"{path.name}: the CSV reader refused the workers' own lines"
         assert fast.counts == _line_by_line(chunk).counts
-        assert fast.counts["step"] == 250 and fast.counts["event"] >= 5
+        assert fast.counts["step"] == STEPS and fast.counts["event"] >= 5
         assert _rows(fast) == _rows(_line_by_line(chunk))  # exact floats, ints as ints
 
 
@@ -91,7 +95,7 @@ def test_a_torn_line_is_skipped_by_the_csv_reader_as_read_records_skips_it(small
     chunk = b"".join(lines)
     fast = rowfiles._csv_batch(chunk)
     assert fast is not None and _rows(fast) == _rows(_line_by_line(chunk))
-    assert fast.counts["step"] == 250 - 2
+    assert fast.counts["step"] == STEPS - 2
     tail = lines[-1][:30]  # the last line cut short: also the beginning of earlier lines
     assert chunk.count(tail) > 1
     fast = rowfiles._csv_batch(chunk + tail)
@@ -141,8 +145,11 @@ def test_the_ingest_stores_what_read_records_reads(small_run, tmp_path):
     with Store(tmp_path / "s.db") as store:
         counts = ingest_run_dir(store, run_id, run_dir)
         expected = [r for p in run_files(run_dir) for r in read_records(p)]
-        assert counts["step"] == sum(r["kind"] == "step" for r in expected) == 3 * 250
+        assert counts["step"] == sum(r["kind"] == "step" for r in expected) == 3 * STEPS
         stored = {(r["rank"], r["step"]): dict(r) for r in store.steps(run_id)}
         for r in expected:
             if r["kind"] == "step":
                 assert all(stored[(r["rank"], r["step"])][k] == r[k] for k in r if k != "kind")
+        assert len(store.events(run_id)) == counts["event"] == sum(r["kind"] == "event" for r in expected)
+        assert len(store.evals(run_id)) == counts["eval"] == STEPS // 50  # rank 0's, every 50 steps
+        assert len(store.memory(run_id)) == 5 * 3 and counts["memory"] == 3
