@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddlscope.specs import STRATEGY_SPECS, strategy_specs
+# Asynchrony's implicit momentum (Omnivore, PAPERS.md item 15): one rule for this study and the omnivore tuner.
+from ddlscope.specs.strategies.omnivore import compensated_momentum
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes
 from ddlscope.studies.paper_prediction import paper_prediction, predicted_agreement, predicted_column
@@ -121,17 +123,6 @@ def repeated(setting: AccuracySetting, cells: list[Cell], repeats: int) -> list[
 
 
 MOMENTUM_COMPENSATED = "mc"
-
-
-def compensated_momentum(momentum: float, workers: int) -> float:
-    """Explicit momentum left once asynchrony's implicit momentum is counted.
-
-    Asynchrony among W workers behaves like momentum 1 - 1/W on top of the
-    optimizer's own (Mitliagkas et al. 2016, "Asynchrony begets momentum";
-    Omnivore, PAPERS.md item 15, tunes the two jointly); keeping the total
-    at the synchronous value means lowering the explicit part by as much.
-    """
-    return round(max(0.0, momentum - (1 - 1 / workers)), 4)
 
 
 def baseline_cell(setting: AccuracySetting) -> Cell:

@@ -35,8 +35,10 @@ def implicit_momentum(groups: int) -> float:
 
 
 def compensated_momentum(target: float, groups: int) -> float:
-    """The explicit momentum that keeps explicit + implicit at `target` with `groups` groups (never below 0)."""
-    return max(0.0, target - implicit_momentum(groups))
+    """The explicit momentum that keeps explicit + implicit at `target` with `groups` groups (never below 0),
+    to 4 decimals. Groups of one worker each are plain asynchrony among the workers (Mitliagkas et al. 2016,
+    "Asynchrony begets momentum"): the main study lowers ps-async's momentum by this too."""
+    return round(max(0.0, target - implicit_momentum(groups)), 4)
 
 
 def group_members(workers: int, groups: int) -> list[list[int]]:
