@@ -137,3 +137,19 @@ def test_two_groups_all_reduce_inside_and_push_once_per_group(trained):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     # Asynchronous across groups: close to the synchronous update, but not far from it
     assert max_difference(models[0]["models"]["omnivore-2"], models[0]["models"]["ps-sync"]) < 0.5
+
+
+@pytest.mark.timeout(300)
+def test_the_tuner_probes_measures_prints_and_reuses_its_probes(cli):
+    args = ("omnivore-tune", "--workers", "2", "--groups", "1,2", "--lowered-only", "--steps", "6")
+    first = cli(*args, timeout_s=280)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr.count(": running") == 2  # probes w2/g1/m0.9 and w2/g2/m0.4
+    rows = [line for line in first.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 2 and rows[0].split("│")[1].strip() == "1" and rows[1].split("│")[2].strip() == "0.4"
+    chose = [line for line in first.stdout.splitlines() if line.startswith("chose groups=")]
+    assert len(chose) == 1 and "predicted to loss" in chose[0]
+    # The probes are in the store: a second call runs nothing and chooses the same from the same numbers.
+    again = cli(*args, timeout_s=120)
+    assert again.returncode == 0 and again.stderr.count(": reused") == 2 and ": running" not in again.stderr
+    assert [line for line in again.stdout.splitlines() if line.startswith("chose groups=")] == chose
