@@ -101,8 +101,10 @@ def _estimate(spec, case):
 def test_one_worker_per_group_is_priced_as_ps_async():
     from ddlscope.specs.strategies.ps import PSAsyncSpec
 
-    for slowdowns in (None, [1.0] * 15 + [3.0]):
-        case = _case(slowdowns)
+    # server-bound (the servers cap the update rate) and compute-bound (each worker's cycle sets it)
+    for slowdowns, params, flops in ((None, 1e8, 6e9), ([1.0] * 15 + [3.0], 1e8, 6e9), (None, 1e6, 6e11),
+                                     ([1.0] * 15 + [3.0], 1e6, 6e11)):
+        case = _case(slowdowns, params, flops)
         mine, async_ = _estimate(OmnivoreSpec(groups=16), case), _estimate(PSAsyncSpec(), case)
         assert mine.step_s == pytest.approx(async_.step_s, rel=1e-9)
         assert mine.samples_per_s == pytest.approx(async_.samples_per_s, rel=1e-9)
