@@ -198,8 +198,9 @@ def test_repeats_add_seeds_to_the_parameter_server_cells_only():
     once, thrice = study.cells(quick=True, repeats=1), study.cells(quick=True, repeats=3)
     assert [c.key for c in thrice[:len(once)]] == [c.key for c in once]  # seed 0 keeps the stored names
     extra = thrice[len(once):]
-    assert {c.labels["strategy"] for c in extra} == {"ps-sync", "ps-async", "ssp", "ps-stale-aware", "ps-async+mc"}
-    assert len(extra) == 2 * 5 and len({c.key for c in thrice}) == len(thrice)
+    assert {c.labels["strategy"] for c in extra} == {"ps-sync", "ps-async", "ssp", "ps-stale-aware", "omnivore",
+                                                     "ps-async+mc"}
+    assert len(extra) == 2 * 6 and len({c.key for c in thrice}) == len(thrice)
     seeds = {c.key: c.experiment.seed for c in extra}
     assert seeds["ps-async/fast/straggler/w2/seed2"] == 2
     compensated = next(c for c in extra if c.key == "ps-async+mc/fast/straggler/w2/seed1")
