@@ -56,7 +56,9 @@ class OmnivoreSpec(PSSpec):
               "across groups keeps a slow group from holding the others")
 
     name: Literal["omnivore"] = "omnivore"
-    groups: int = Field(2, ge=1, description="compute groups: equal, contiguous ranks; must divide "
+    # Default 1 (ps-sync's update): valid for any world size, so `advise`, which validates with the run
+    # section's placeholder world of 1, prices it too; its estimator takes the largest divisor of the GPUs.
+    groups: int = Field(1, ge=1, description="compute groups: equal, contiguous ranks; must divide "
                                              "cluster.world_size (1: ps-sync's update, world_size: ps-async's)")
 
     def check_experiment(self, exp: Any) -> None:
