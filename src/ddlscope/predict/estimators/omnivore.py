@@ -47,18 +47,6 @@ def group_exchange_s(case: ClusterCase, size: int) -> tuple[float, float]:
     return all_reduce, broadcast
 
 
-def server_exchange_s(case: ClusterCase, concurrent: float, updates: float = 1.0) -> float:
-    """One push and one pull of the gradient with `concurrent` leaders on the servers' links, and the
-    servers' `updates` optimizer steps (ps-async's exchange, predict/strategies.py:parameter_server)."""
-    w, cluster, server = case.workload, case.cluster, case.server
-    grad_bytes = w.params * w.grad_bytes_per_param
-    worker_bw = cluster.inter_bytes_per_s_per_gpu if cluster.nodes > 1 else cluster.intra_bytes_per_s
-    server_bw, agg = server.link_gb_per_s * 1e9, server.aggregate_gb_per_s * 1e9
-    push = coll.ps_push_s(grad_bytes, concurrent, server.servers, server_bw, agg, worker_bw, server.alpha_s)
-    pull = coll.ps_pull_s(grad_bytes, concurrent, server.servers, server_bw, worker_bw, server.alpha_s)
-    return float(push + pull + updates * server.update_s / server.servers)
-
-
 def omnivore_estimate(spec: OmnivoreSpec, case: ClusterCase, memory_bytes: float) -> pst.StrategyEstimate:
     w, n = case.workload, case.cluster.n_gpus
     k = groups_on(spec, n)
@@ -67,9 +55,9 @@ def omnivore_estimate(spec: OmnivoreSpec, case: ClusterCase, memory_bytes: float
     c_each = pst.compute_s(w, case.cluster) * np.asarray(slowdowns, dtype=float)
     c_group = np.array([c_each[members].max() for members in group_members(n, k)])
     all_reduce, broadcast = group_exchange_s(case, size)
-    alone = server_exchange_s(case, 1)
+    alone = pst.ps_exchange_s(w, case.cluster, case.server, 1)
     cycles = c_group + all_reduce + alone + broadcast
-    capacity = k / server_exchange_s(case, k, updates=k)  # group pushes a second the servers can take
+    capacity = k / pst.ps_exchange_s(w, case.cluster, case.server, k, updates=k)  # group pushes a second
     rate = min(float(np.sum(1.0 / cycles)), capacity)
     step = k / rate  # every group pushes once
     comm = all_reduce + alone + broadcast
