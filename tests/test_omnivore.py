@@ -140,16 +140,20 @@ def test_two_groups_all_reduce_inside_and_push_once_per_group(trained):
 
 
 @pytest.mark.timeout(300)
-def test_the_tuner_probes_measures_prints_and_reuses_its_probes(cli):
-    args = ("omnivore-tune", "--workers", "2", "--groups", "1,2", "--lowered-only", "--steps", "6")
+def test_the_tuner_probes_measures_prints_and_reuses_its_probe(cli):
+    """The multi-process half of the tuner, on one probe (the choice among several is test_omnivore_units')."""
+    args = ("omnivore-tune", "--workers", "2", "--groups", "2", "--lowered-only", "--steps", "6")
     first = cli(*args, timeout_s=280)
     assert first.returncode == 0, first.stderr
-    assert first.stderr.count(": running") == 2  # probes w2/g1/m0.9 and w2/g2/m0.4
-    rows = [line for line in first.stdout.splitlines() if line.startswith("│")]
-    assert len(rows) == 2 and rows[0].split("│")[1].strip() == "1" and rows[1].split("│")[2].strip() == "0.4"
-    chose = [line for line in first.stdout.splitlines() if line.startswith("chose groups=")]
+    assert first.stderr.count(": running") == 1  # the probe w2/g2/m0.4: momentum 0.9 lowered by 1 - 1/2
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in first.stdout.splitlines()
+            if line.startswith("│")]
+    assert len(rows) == 1 and rows[0][:3] == ["2", "0.4", "0.50"] and rows[0][-1] == "<-"
+    ms_per_step, us_per_sample = float(rows[0][3]), float(rows[0][4])
+    assert ms_per_step > 0 and us_per_sample == pytest.approx(ms_per_step * 1e3 / 32, rel=0.02, abs=1)
+    chose = [line for line in first.stdout.splitlines() if line.startswith("chose groups=2, momentum=0.4")]
     assert len(chose) == 1 and "predicted to loss" in chose[0]
-    # The probes are in the store: a second call runs nothing and chooses the same from the same numbers.
+    # The probe is in the store: a second call runs nothing and chooses the same from the same numbers.
     again = cli(*args, timeout_s=120)
-    assert again.returncode == 0 and again.stderr.count(": reused") == 2 and ": running" not in again.stderr
+    assert again.returncode == 0 and again.stderr.count(": reused") == 1 and ": running" not in again.stderr
     assert [line for line in again.stdout.splitlines() if line.startswith("chose groups=")] == chose
