@@ -128,3 +128,22 @@ def test_one_group_pays_the_all_reduce_and_a_slow_group_holds_only_itself():
     assert slow2.mean_staleness_steps > 0
     # groups that do not divide the cluster's GPUs: the largest divisor below (3 -> 2 on 16 GPUs)
     assert _estimate(OmnivoreSpec(groups=3), case).step_s == pytest.approx(_estimate(OmnivoreSpec(groups=2), case).step_s)
+
+
+def _local(strategy: dict) -> dict:
+    from test_regression_numbers import FACTS, PROFILE
+
+    from ddlscope.predict.local import predict_local
+
+    config = {"workload": {"name": "mlp-digits"}, "strategy": strategy, "cluster": {"world_size": 2}}
+    return predict_local(config, {}, FACTS, PROFILE)
+
+
+def test_locally_one_worker_per_group_is_ps_async_and_one_group_is_ps_sync_plus_the_group_exchange():
+    async_, sync = _local({"name": "ps-async"}), _local({"name": "ps-sync"})
+    assert _local({"name": "omnivore", "groups": 2})["step_s"] == pytest.approx(async_["step_s"], rel=1e-9)
+    one = _local({"name": "omnivore", "groups": 1})
+    # Only the leader uses the server's link: ps-sync's round with one client instead of two, plus the group's
+    # all-reduce and broadcast, which on loopback cost less than the second client's push and pull.
+    assert 0.5 * sync["step_s"] < one["step_s"] < sync["step_s"]
+    assert any("inside a group of 2, the gradient all-reduce" in note for note in one["notes"])
