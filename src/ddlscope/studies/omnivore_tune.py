@@ -49,13 +49,15 @@ def probe_cells(settings: TuneSettings) -> list[Cell]:
 
 
 def measured_probe(store: Store, result: CellResult) -> Probe:
-    """A probe's setting and measurements from its run: mean step time (the summary's steady steps) and the
-    workers' mean training loss at each step."""
+    """A probe's setting and measurements from its run: its effective step time (the summary's steady steps)
+    and the workers' mean training loss at each step."""
     by_step: dict[int, list[float]] = {}
     for row in store.steps(result.run.id):
         by_step.setdefault(int(row["step"]), []).append(float(row["loss"]))
     exp = result.cell.experiment
-    step_s = result.summary.mean_step_s
+    # The project's step time for comparisons: CPU-derived when the ranks share cores (analysis/summary.py), so
+    # another program's load on this machine moves the probes less.
+    step_s = result.summary.effective_step_s
     if step_s is None:
         raise ValueError(f"probe {result.cell.key} recorded no steady steps")
     return Probe(groups=int(result.cell.labels["groups"]), momentum=float(result.cell.labels["momentum"]),
