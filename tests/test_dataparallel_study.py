@@ -18,16 +18,18 @@ def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     strategies = {c.labels["strategy"] for c in full}
     knobs = {f"ddp+{v}" for v in ("fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8", "per_layer", "mgwfbp")}
     assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip",
-            "localsgd+bf16", "dbs", "ddp+speeds", "ps-async+hogbatch", "gossip+async"} | knobs == strategies
+            "localsgd+bf16", "dbs", "ddp+speeds", "ps-async+hogbatch", "gossip+async", "omnivore+g2",
+            "ps-sync"} | knobs == strategies
     assert {c.labels["strategy"] for c in quick} >= {"ddp+topk", "ddp+mgwfbp", "dbs"}
     regimes = {(c.labels["network"], c.labels["workers"]) for c in full}
     assert regimes == {("fast", "homogeneous"), ("fast", "straggler"), ("slow", "homogeneous"), ("slow", "straggler")}
     # + DDP's 6 hooks, 2 plans x 2 networks, localsgd bf16; dbs x 4 regimes, 2 static splits x 2 stragglers;
-    # async gossip with the straggler on both networks
-    assert len({c.key for c in full}) == len(full) == 36 + 11 + 8 + 2
+    # async gossip with the straggler on both networks; omnivore, ps-sync and ps-async at 4 workers
+    assert len({c.key for c in full}) == len(full) == 36 + 11 + 8 + 2 + 3
     assert by_key_async(full) == {"gossip+async/fast/straggler/w2": "async", "gossip+async/slow/straggler/w2": "async"}
     assert all(c.experiment.cluster.slowdown for c in full if c.labels["strategy"] == "gossip+async")
     by_key = {c.key: c.experiment.strategy for c in full}
+    assert by_key["omnivore+g2/slow/straggler/w4"].groups == 2
     assert by_key["ddp+topk/slow/homogeneous/w2"].comm_hook == "topk"
     assert by_key["ddp+mgwfbp/fast/homogeneous/w2"].buckets == "mgwfbp"
     assert by_key["localsgd+bf16/slow/homogeneous/w2"].compression == "bf16"
@@ -43,8 +45,8 @@ def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     assert plain.experiment.workload.momentum == pytest.approx(0.8)
     # seeds for what varies from run to run (the asynchronous server), not for the deterministic cells
     seeded = study.cells(quick=False, repeats=3)
-    assert len(seeded) - len(full) == 8 + 4
-    assert all(c.labels["strategy"] in ("ps-async", "ps-async+hogbatch") for c in seeded[len(full):])
+    assert len(seeded) - len(full) == 8 + 4 + 4
+    assert all(c.labels["strategy"] in ("ps-async", "ps-sync", "ps-async+hogbatch") for c in seeded[len(full):])
 
 
 def by_key_async(cells) -> dict:

@@ -200,6 +200,7 @@ def test_repeats_add_seeds_to_the_parameter_server_cells_only():
     extra = thrice[len(once):]
     assert {c.labels["strategy"] for c in extra} == {"ps-sync", "ps-async", "ssp", "ps-stale-aware", "ps-async+mc"}
     assert len(extra) == 2 * 5 and len({c.key for c in thrice}) == len(thrice)
+    assert "omnivore" not in {c.labels["strategy"] for c in thrice}  # a hybrid: study dataparallel's
     seeds = {c.key: c.experiment.seed for c in extra}
     assert seeds["ps-async/fast/straggler/w2/seed2"] == 2
     compensated = next(c for c in extra if c.key == "ps-async+mc/fast/straggler/w2/seed1")

@@ -34,6 +34,7 @@ COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("study", study.study),
     ("studies", study.studies),
     ("sweep", study.sweep),
+    ("omnivore-tune", study.omnivore_tune),
     ("scaling", run.scaling),
     ("strategies", catalogue.strategies),
     ("workloads", catalogue.workloads),

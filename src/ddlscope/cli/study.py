@@ -175,3 +175,53 @@ def cell_table(results: list[CellResult], titles: tuple[str, ...]) -> Table:
 
 def _num(value: float | None, scale: float, fmt: str) -> str:
     return "-" if value is None else fmt.format(value * scale)
+
+
+def omnivore_tune(
+    workers: Annotated[int, typer.Option("--workers", "-n", help="Workers in each probe run (groups divide it).")] = 2,
+    steps: Annotated[int, typer.Option("--steps", help="Steps of each probe run.")] = 30,
+    workload: Annotated[str, typer.Option("--workload", "-w", help="The probes' workload (a small one: mlp-digits, "
+                                          "cnn-digits).")] = "mlp-digits",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Global batch of each probe.")] = 32,
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate of every probe.")] = 0.05,
+    momentum: Annotated[float, typer.Option("--momentum", help="Total momentum to keep: each k groups get explicit "
+                                            "momentum max(0, this - (1 - 1/k)).")] = 0.9,
+    groups: Annotated[Optional[str], typer.Option("--groups", help="Comma-separated group counts to probe "
+                                                  "(default: every divisor of --workers).")] = None,
+    keep_momentum: Annotated[bool, typer.Option("--keep-momentum/--lowered-only", help="Also probe each k > 1 at "
+                                                "the total momentum unlowered.")] = True,
+    target_loss: Annotated[Optional[float], typer.Option("--target-loss", help="Training loss to reach (default: "
+                                                         "halfway from the start to the lowest any probe reached).")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every probe instead of reusing finished ones.")] = False,
+    db: DbOption = DEFAULT_DB,
+) -> None:
+    """Omnivore's optimizer: probe (groups, momentum) pairs in short omnivore runs, print what each measured
+    (time per sample, loss decrease per sample) and pick the least predicted time to a target loss."""
+    from ddlscope.analysis.omnivore_tuner import table_rows
+    from ddlscope.studies.base import StudyCellFailed
+    from ddlscope.studies.omnivore_tune import STUDY_NAME, TuneSettings, probe_cells, tune
+
+    try:
+        chosen_groups = tuple(int(g) for g in groups.split(",")) if groups else ()
+    except ValueError:
+        raise UserError(f"--groups {groups!r}: give comma-separated integers, e.g. 1,2") from None
+    settings = TuneSettings(workers, steps, workload, batch_size, lr, momentum, chosen_groups, keep_momentum)
+    check_db_folder(db)
+    for cell in probe_cells(settings):  # every probe validated (groups, workers, momentum) before the first runs
+        check_local_ranks(cell.experiment)
+
+    def on_cell(index: int, cell: Cell, state: str) -> None:
+        err_console.print(f"probe {index + 1}: {cell.key}: {state}", markup=False, highlight=False)
+
+    try:
+        probes, choice = tune(settings, db, fresh, target_loss, on_cell)
+    except StudyCellFailed as exc:
+        err_console.print(f"{STUDY_NAME} stopped: {exc}; rerun to resume", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    rows = table_rows(choice, probes)
+    table = Table(*rows[0].keys(), title=f"omnivore probes: {workers} workers, {steps} steps, start loss "
+                                         f"{choice.start_loss:.3f}, target {choice.target_loss:.3f}")
+    for row in rows:
+        table.add_row(*row.values())
+    console.print(table)
+    console.print(f"chose {choice.reason}", markup=False, highlight=False, soft_wrap=True)

@@ -217,6 +217,24 @@ class ServerSpec:
     update_s: float = 0.0
 
 
+def ps_exchange_s(workload: Workload, cluster: Cluster, server: ServerSpec, concurrent: float,
+                  nbytes: float | None = None, servers: int | None = None, updates: float = 1.0) -> float:
+    """One push and one pull of `nbytes` (default: the whole gradient) with `concurrent` clients on `servers`
+    servers' links (default: all of them), plus the servers' `updates` optimizer steps over what they received
+    (parameter_server's clients are workers; omnivore's, group leaders)."""
+    grad_bytes = workload.params * workload.grad_bytes_per_param
+    nbytes = grad_bytes if nbytes is None else nbytes
+    servers = server.servers if servers is None else servers
+    worker_bw = cluster.inter_bytes_per_s_per_gpu if cluster.nodes > 1 else cluster.intra_bytes_per_s
+    server_bw, agg = server.link_gb_per_s * 1e9, server.aggregate_gb_per_s * 1e9
+    push = coll.ps_push_s(nbytes, concurrent, servers, server_bw, agg, worker_bw, server.alpha_s)
+    pull = coll.ps_pull_s(nbytes, concurrent, servers, server_bw, worker_bw, server.alpha_s)
+    if not server.update_s:
+        return float(push + pull)
+    # each update steps the bytes it received; `servers` servers step their shares side by side
+    return float(push + pull + updates * server.update_s * nbytes / grad_bytes / servers)
+
+
 def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync", "async", "ssp"] = "sync",
                      server: ServerSpec = ServerSpec(), staleness: int = 3, jitter_cv: float = 0.0,
                      slowdowns: Sequence[float] | None = None, block_cyclic: bool = False) -> StrategyEstimate:
@@ -238,17 +256,10 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
     w = cluster.n_gpus
     c_each = compute_s(workload, cluster) * _slowdowns(w, slowdowns)
     grad_bytes = workload.params * workload.grad_bytes_per_param
-    worker_bw = cluster.inter_bytes_per_s_per_gpu if cluster.nodes > 1 else cluster.intra_bytes_per_s
-    server_bw, agg = server.link_gb_per_s * 1e9, server.aggregate_gb_per_s * 1e9
 
     def exchange_s(concurrent: float, nbytes: float = grad_bytes, servers: int = server.servers,
                    updates: float = 1.0) -> float:
-        push = coll.ps_push_s(nbytes, concurrent, servers, server_bw, agg, worker_bw, server.alpha_s)
-        pull = coll.ps_pull_s(nbytes, concurrent, servers, server_bw, worker_bw, server.alpha_s)
-        if not server.update_s:
-            return float(push + pull)
-        # each update steps the bytes it received; `servers` servers step their shares side by side
-        return float(push + pull + updates * server.update_s * nbytes / grad_bytes / servers)
+        return ps_exchange_s(workload, cluster, server, concurrent, nbytes, servers, updates)
 
     mem = (workload.params * (workload.state_bytes_per_param - 8.0)  # optimizer moments live on the servers
            + workload.activation_bytes_per_sample * workload.batch_per_worker)

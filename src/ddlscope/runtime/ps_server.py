@@ -41,7 +41,7 @@ class _Server:
                  checkpointer: Checkpointer | None = None, heartbeat: Heartbeat | None = None):
         self.spec = strategy.spec
         self.ctx, self.writer, self.checkpointer, self.heartbeat = ctx, writer, checkpointer, heartbeat
-        self.workers = list(range(ctx.workers))
+        self.workers = self.spec.pushers(ctx.workers)  # the ranks whose pushes and DONE it waits for
         self.index = index = ctx.rank - ctx.workers
         flat = torch.cat([p.detach().reshape(-1) for p in task.model.parameters()]).to(torch.float32)
         lo, hi = shard_ranges(flat.numel(), self.spec.servers)[index]

@@ -45,6 +45,9 @@ class Traits:
     splits_global_batch: bool = True  # each rank takes batch_size / world_size samples
     single_process: bool = False  # only world_size 1 makes sense
     shards_model_states: bool = False  # parameters, gradients and optimizer state split over the ranks
+    # Synchronises through a collective inside groups of workers and through a server across them
+    # (Omnivore): neither the main study's parameter servers nor its collectives.
+    hybrid: bool = False
 
 
 class StrategySpec(Spec):

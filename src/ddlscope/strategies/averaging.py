@@ -76,8 +76,10 @@ class InFlightAverage:
 
     def __init__(self, tensor: torch.Tensor, comm: CommRecorder, group: Any):
         self.tensor = tensor
-        tensor.div_(dist.get_world_size(group))
-        pending = comm.launched(tensor.numel() * tensor.element_size(), "all_reduce")
+        members = dist.get_world_size(group)
+        tensor.div_(members)
+        # The group's size prices the wire (a subgroup's all-reduce moves less than the workers' one).
+        pending = comm.launched(tensor.numel() * tensor.element_size(), "all_reduce", ranks=members)
         self._work = comm.complete_work(dist.all_reduce(tensor, group=group, async_op=True), pending)
 
     def wait(self) -> torch.Tensor:

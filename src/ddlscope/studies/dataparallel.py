@@ -63,7 +63,10 @@ KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
     ("localsgd", "bf16"): {"compression": "bf16"},
     ("ddp", "speeds"): {"batch_split": "cluster"},
     ("ps-async", "hogbatch"): {"batch_split": "cluster", "lock_free": True},
-    ("gossip", "async"): {"mode": "async"}}  # asynchronous gossip: studied where it should win, with a straggler
+    ("gossip", "async"): {"mode": "async"},  # asynchronous gossip: studied where it should win, with a straggler
+    ("omnivore", "g2"): {"groups": 2}}  # Omnivore: two compute groups, synchronous inside, asynchronous across
+OMNIVORE_WORKERS = 4
+SERVERS = ("ps-sync", "ps-async")
 QUICK_KNOB_CELLS = ("ddp+topk", "ddp+mgwfbp")  # the quick study's two: on the slow network
 TIE_FRACTION = 0.05  # exposed communication this close is one run's noise on a shared machine
 
@@ -122,6 +125,9 @@ class DataParallelStudy(Study):
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
             cells += [cell("gossip+async", network, "straggler") for network in NETWORKS]
+            # Omnivore needs 4 workers for groups to be neither ps-sync (1 group) nor ps-async (a group a
+            # worker): 2 groups of 2 against both servers at the same size, slow network, one straggler.
+            cells += [cell(s, "slow", "straggler", world=OMNIVORE_WORKERS) for s in ("omnivore+g2", *SERVERS)]
         cells += ddp_knob_cells(quick)
         # The knob cells' seeds come from repeated_knob_cells: `repeated` rebuilds a cell without its knobs.
         batching = batching_cells(quick)

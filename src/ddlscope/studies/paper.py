@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ddlscope.specs import STRATEGY_SPECS, strategy_specs
+# Asynchrony's implicit momentum (Omnivore, PAPERS.md item 15): one rule for this study and the omnivore tuner.
+from ddlscope.specs.strategies.omnivore import compensated_momentum
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes
 from ddlscope.studies.paper_prediction import paper_prediction, predicted_agreement, predicted_column
@@ -71,9 +73,10 @@ QUICK_WORKERS = 2
 # DDP's scaling on the fast network: one process, then these worker counts (the scaling figure's points).
 SCALING_WORKERS = (2, 4)
 # The study's subjects, by their traits: the synchronous collective strategies (DDP, FSDP) and the
-# parameter-server architectures, simplest first (local SGD and its relatives are `study dataparallel`'s).
-DISTRIBUTED = tuple(c.registered_name for c in strategy_specs()
-                    if c.traits.family == "server" or c.traits.family == "collective" and c.traits.synchronous)
+# parameter-server architectures, simplest first (local SGD and its relatives, and the hybrids of a
+# collective and a server, are `study dataparallel`'s).
+DISTRIBUTED = tuple(c.registered_name for c in strategy_specs() if not c.traits.hybrid
+                    and (c.traits.family == "server" or c.traits.family == "collective" and c.traits.synchronous))
 PS_FAMILY = tuple(name for name in DISTRIBUTED if STRATEGY_SPECS.get(name).traits.family == "server")
 
 
@@ -121,17 +124,6 @@ def repeated(setting: AccuracySetting, cells: list[Cell], repeats: int) -> list[
 
 
 MOMENTUM_COMPENSATED = "mc"
-
-
-def compensated_momentum(momentum: float, workers: int) -> float:
-    """Explicit momentum left once asynchrony's implicit momentum is counted.
-
-    Asynchrony among W workers behaves like momentum 1 - 1/W on top of the
-    optimizer's own (Mitliagkas et al. 2016, "Asynchrony begets momentum";
-    Omnivore, PAPERS.md item 15, tunes the two jointly); keeping the total
-    at the synchronous value means lowering the explicit part by as much.
-    """
-    return round(max(0.0, momentum - (1 - 1 / workers)), 4)
 
 
 def baseline_cell(setting: AccuracySetting) -> Cell:

@@ -63,6 +63,11 @@ class PSSpec(HeteroBatchKnobs):  # batch_split, worker_speeds: specs/strategies/
         model 1 / this as far as a synchronous step would."""
         return workers
 
+    def pushers(self, workers: int) -> list[int]:
+        """The worker ranks that push to the servers (and tell them when done): all of them here; one
+        per compute group for omnivore (specs/strategies/omnivore.py)."""
+        return list(range(workers))
+
 
 def _server_traits(simplicity: int, synchronous: bool) -> Traits:
     return Traits(family="server", simplicity=simplicity, synchronous=synchronous, local_optimizer=False)
