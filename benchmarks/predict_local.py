@@ -12,7 +12,7 @@ are priced as their implicit GEMMs (target: <= 10% median step-time error).
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
         [--servers | --only-servers]   # + 5 runs with two parameter-server ranks, reported apart
         [--cnn]                        # 10 runs of the vision workloads instead (resnet-cifar, vgg-cifar)
-        [--dataparallel | --only-dataparallel]   # + 10 runs of localsgd, diloco, cocod, hpsgd, osp, gossip, apart
+        [--dataparallel | --only-dataparallel]   # + 11 runs of localsgd, diloco, cocod, hpsgd, osp, gossip, omnivore, apart
         [--modelparallel | --only-modelparallel] # + 5 runs of pipeline, tp and partitioned, apart
     .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
 
@@ -69,6 +69,7 @@ DATAPARALLEL_CONFIGS: list[tuple[str, int, dict]] = [
     ("localsgd", 2, {}), ("localsgd", 2, CUSTOM), ("diloco", 2, CUSTOM), ("cocod", 2, CUSTOM),
     ("hpsgd", 2, {}), ("hpsgd", 2, CUSTOM), ("osp", 2, CUSTOM), ("gossip", 2, CUSTOM),
     ("gossip", 2, {**CUSTOM, "strategy.mode": "async"}), ("gossip", 2, {"strategy.dp_noise_multiplier": 1.0}),
+    ("omnivore", 4, {**CUSTOM, "strategy.groups": 2}),
 ]
 
 # --modelparallel: pipeline and tp on a small GPT, partitioned on the digits (issue 21), reported apart.
@@ -97,6 +98,8 @@ def config_label(strategy: str, world: int, overrides: dict) -> str:
                                                               else "")
     network = "custom" if overrides.get("cluster.network.profile") == "custom" else "local"
     workload = overrides.get("workload.name")
+    if overrides.get("strategy.groups"):
+        extra += f" {overrides['strategy.groups']} groups"
     if overrides.get("strategy.mode"):
         extra += f" {overrides['strategy.mode']}"
     if overrides.get("strategy.dp_noise_multiplier"):
