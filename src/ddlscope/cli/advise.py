@@ -43,7 +43,8 @@ def advise_command(
         "--calibration", help="For a local:1xN cluster: profile TOML from `ddlscope calibrate` "
                               "(default: the newest in the store, else ./ddlscope-calibration.toml).")] = None,
 ) -> None:
-    """Rank ddp, fsdp, ps-sync, ps-async, ssp and ps-stale-aware for an experiment on a GPU cluster, and explain."""
+    """Rank the registered strategies (ddp, fsdp, the parameter servers, local SGD and its relatives, ...) for an
+    experiment on a GPU cluster, and explain."""
     from ddlscope.advise import advise
     from ddlscope.runtime.config import load_experiment, parse_override
 
