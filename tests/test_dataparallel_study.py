@@ -54,7 +54,7 @@ def by_key_async(cells) -> dict:
 
 
 def _result(strategy: str, network: str, workers: str, step_s: float, accuracy: float,
-            bytes_per_step: float, exposed_s: float, seed: int = 0) -> CellResult:
+            bytes_per_step: float, exposed_s: float, seed: int = 0, world: int = 2) -> CellResult:
     wall_s = 100 * step_s
     summary = Summary(
         run={}, steps_recorded=100, ranks_recorded=2, warmup_steps_excluded=1, mean_step_s=step_s,
@@ -66,9 +66,9 @@ def _result(strategy: str, network: str, workers: str, step_s: float, accuracy: 
         eval_curve=[{"step": 49, "wall_s": wall_s / 2, "samples_seen": 50, "metric_name": "accuracy",
                      "metric": 0.98 * accuracy},
                     {"step": 99, "wall_s": wall_s, "samples_seen": 100, "metric_name": "accuracy", "metric": accuracy}])
-    labels = {"part": "accuracy", "strategy": strategy, "network": network, "workers": workers, "world_size": 2,
+    labels = {"part": "accuracy", "strategy": strategy, "network": network, "workers": workers, "world_size": world,
               "seed": seed}
-    cell = SimpleNamespace(key=f"{strategy}/{network}/{workers}/w2", labels=labels)
+    cell = SimpleNamespace(key=f"{strategy}/{network}/{workers}/w{world}", labels=labels)
     return CellResult(cell, SimpleNamespace(config={"strategy": {"name": strategy.partition("+")[0]}}), summary, False)
 
 
@@ -133,3 +133,14 @@ def test_analysis_reads_compression_and_bucket_plans():
     assert "MG-WFBP 3.2 ms, 25 MB buckets 4.7 ms, one per layer 4.3 ms" in fast["measured"]
     assert fast["verdict"].startswith("agrees")
     assert slow["verdict"].startswith("a tie: ddp+per_layer")  # 28.9 against 28.0 ms: within 5%
+
+
+def test_cells_at_another_worker_count_do_not_pool_with_the_two_worker_ones():
+    from ddlscope.studies.dataparallel import _Analysis
+
+    two = _result("ps-async", "slow", "straggler", 0.040, 0.90, 1e5, 0.02)
+    four = [_result("ps-async", "slow", "straggler", 0.200, 0.80, 1e5, 0.15, seed=s, world=4) for s in (0, 1)]
+    analysis = _Analysis([two, *four])
+    assert analysis.get("ps-async", "slow", "straggler").step_s == pytest.approx(0.040)
+    assert analysis.get("ps-async x4", "slow", "straggler").step_s == pytest.approx(0.200)
+    assert analysis.get("ps-async x4", "slow", "straggler").seeds == 2

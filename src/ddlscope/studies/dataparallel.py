@@ -158,7 +158,11 @@ class _Analysis:
         groups: dict[tuple[str, str, str], list[CellResult]] = {}
         for r in results:
             labels = r.cell.labels
-            groups.setdefault((labels["strategy"], labels["network"], labels["workers"]), []).append(r)
+            # Cells at another worker count than the study's 2 (omnivore's comparison at 4) keep it in their
+            # name: their seeds must not pool with the 2-worker cells of the same strategy.
+            world = labels.get("world_size", QUICK_WORKERS)
+            name = labels["strategy"] if world == QUICK_WORKERS else f"{labels['strategy']} x{world}"
+            groups.setdefault((name, labels["network"], labels["workers"]), []).append(r)
         self.cells = {key: _measure(key[0], members) for key, members in groups.items()}
 
     def get(self, strategy: str, network: str, workers: str = "homogeneous") -> Measured | None:
