@@ -197,6 +197,33 @@ def test_launched_processes_get_threads_per_rank(monkeypatch):
     assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 2, run_id="test-threads") == {0: "1", 1: "1"}
     assert launch_processes(os.getenv, ("OMP_NUM_THREADS",), 1, run_id="test-threads", threads_per_rank=2) == {0: "2"}
     assert os.environ["OMP_NUM_THREADS"] == "7"
+    # torch's own thread count too: OpenMP read the variable when the fork server imported torch
+    assert launch_processes(_torch_threads, (), 1, run_id="test-threads", threads_per_rank=2) == {0: 2}
+    assert launch_processes(_torch_threads, (), 1, run_id="test-threads") == {0: 1}
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_ranks_see_the_launchers_environment_as_of_each_launch(monkeypatch):
+    """Ranks are forks of a server started at the first launch: a variable set or removed after it
+    still reaches (or leaves) the next launch's ranks, and the agent's own (RANK) are kept."""
+    import os
+
+    from ddlscope.runtime.launcher import launch_processes
+
+    monkeypatch.setenv("DDLSCOPE_TEST_VALUE", "first")
+    assert launch_processes(os.getenv, ("DDLSCOPE_TEST_VALUE",), 1, run_id="test-env") == {0: "first"}
+    monkeypatch.setenv("DDLSCOPE_TEST_VALUE", "second")
+    assert launch_processes(os.getenv, ("DDLSCOPE_TEST_VALUE",), 2, run_id="test-env") == {0: "second", 1: "second"}
+    monkeypatch.delenv("DDLSCOPE_TEST_VALUE")
+    assert launch_processes(os.getenv, ("DDLSCOPE_TEST_VALUE",), 1, run_id="test-env") == {0: None}
+    assert launch_processes(os.getenv, ("RANK",), 2, run_id="test-env") == {0: "0", 1: "1"}
 
 
 def test_convolutions_are_priced_at_the_calibrated_convolution_rate_of_their_channel_count():

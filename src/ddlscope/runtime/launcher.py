@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -43,6 +44,12 @@ from ddlscope.specs import ConfigError, Experiment
 from ddlscope.store import Run, Store
 
 RDZV_ID = "ddlscope"
+# Ranks start as forks of one server process per launcher that has imported these once: a spawned
+# rank imported torch and ddlscope's runtime itself (~3-4 s of every run's start on this machine, two
+# ranks importing at once on two cores), which was most of a short run's time and a study's.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "ddlscope.runtime.launcher"]
+# The environment this module was imported with: in a forked rank, the fork server's (see _rank_entry).
+_ENVIRONMENT_AT_IMPORT = dict(os.environ)
 
 
 @dataclass
@@ -247,7 +254,9 @@ def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs
     and return what each local rank returned. The one place ddlscope starts processes: training
     runs (`launch`) and calibrate's probes.
 
-    c10d rendezvous at `rdzv_endpoint` (default: 127.0.0.1 and a free port), spawn. When a rank dies,
+    c10d rendezvous at `rdzv_endpoint` (default: 127.0.0.1 and a free port); ranks are forked from a
+    server process that has imported torch and the runtime (FORKSERVER_PRELOAD), each given this
+    process's environment as of this call (_rank_entry). When a rank dies,
     the agent restarts the whole group up to `max_restarts` times (the workers continue from their
     newest checkpoint).
     `is_host`: this node hosts the rendezvous store (node 0; on one machine every launcher of a
@@ -265,10 +274,29 @@ def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs
         config = LaunchConfig(
             min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs, run_id=run_id, rdzv_backend="c10d",
             rdzv_endpoint=endpoint, rdzv_configs={"is_host": is_host, "timeout": 600},
-            max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+            max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
             local_addr=None if rdzv_endpoint else LOOPBACK,
             **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
-        return elastic_launch(config, entrypoint)(*args)
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
+        return elastic_launch(config, _rank_entry)(dict(os.environ), threads_per_rank, entrypoint, *args)
+
+
+def _rank_entry(environment: dict[str, str], threads: int, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """A rank's first call: the launcher's environment as of the launch, then `entrypoint(*args)`.
+
+    A forked rank inherits the fork server's environment, taken when the server started (the first
+    launch of this process), not this launch's. The agent's own variables (RANK, MASTER_PORT, ...)
+    are those that differ from the server's; everything else comes from the launcher. The thread
+    count is set again because OpenMP read OMP_NUM_THREADS when the server imported torch.
+    """
+    import torch
+
+    set_by_agent = {k: v for k, v in os.environ.items() if _ENVIRONMENT_AT_IMPORT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(environment)
+    os.environ.update(set_by_agent)
+    torch.set_num_threads(threads)
+    return entrypoint(*args)
 
 
 LOOPBACK = "127.0.0.1"
