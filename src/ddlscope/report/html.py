@@ -435,6 +435,8 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
                    part=labels.get("part"), cell_world_size=labels.get("world_size", d.run.world_size),
                    strategy=labels.get("strategy", d.run.strategy), target=target,
                    time_to_target=d.time_to_target(float(target)) if target is not None else None)
+        if labels.get("part") == "timing":  # a step-time cell stops after a few steps: no accuracy shown
+            row.update(metric=None, time_to_target=None)
         table.append(row)
 
     accuracy = [(c, d) for c, d in zip(cells, data) if c.get("labels", {}).get("part", "accuracy") == "accuracy"]

@@ -136,15 +136,19 @@ class CellRow:
 
 
 def cell_rows(results: list[CellResult]) -> list[CellRow]:
-    """The cell table every study prints; memory cells get no speedup (they time nothing comparable)."""
+    """The cell table every study prints; memory cells get no speedup (they time nothing comparable),
+    timing cells no accuracy (they stop after a few steps)."""
     baselines = [r for r in results if is_one_process(r)]
     rows = []
     for r in results:
         s = r.summary
         base = _baseline_for(r, baselines)
         mine, theirs = effective_throughput(s), effective_throughput(base.summary) if base else None
-        speedup = mine / theirs if mine and theirs and r.cell.labels.get("part", "accuracy") == "accuracy" else None
-        accuracy = s.final_eval["metric"] if s.final_eval and s.final_eval["metric_name"] == "accuracy" else None
+        part = r.cell.labels.get("part", "accuracy")
+        speedup = mine / theirs if mine and theirs and part in ("accuracy", "timing") else None
+        # A timing cell's one evaluation (a single batch, after a few steps) is no accuracy to compare.
+        accuracy = (s.final_eval["metric"] if s.final_eval and s.final_eval["metric_name"] == "accuracy"
+                    and part != "timing" else None)
         target = r.cell.labels.get("target_metric")
         to_target = s.time_to_metric_s(float(target)) if target is not None and accuracy is not None else None
         rows.append(CellRow(r.cell.key, s.effective_step_s, mine, speedup, accuracy, s.effective_wall_s,
