@@ -324,3 +324,29 @@ def test_workload_facts_time_the_workloads_own_kernels():
     kernels = timed["kernels"]
     assert kernels["steps"] == KERNEL_TIMED_STEPS and kernels["threads"] == 1
     assert all(0 < kernels[k] < 1 for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
+
+
+def test_a_private_step_times_its_own_per_sample_backward():
+    """Private gossip replaces loss.backward() with per-sample gradients (clipped, noised): predict-run
+    times that pass as the backward, and the estimator then adds no FLOP-ratio factor on top; without
+    timed kernels the factor prices it."""
+    from ddlscope.calibrate import workload_facts
+    from ddlscope.predict.estimators.gossip import PRIVATE_COMPUTE_FACTOR
+
+    def config(strategy: dict) -> dict:
+        return {"workload": {"name": "mlp-digits", "hidden": 256, "layers": 2, "batch_size": 128},
+                "strategy": strategy, "cluster": {"world_size": 2}}
+
+    private = config({"name": "gossip", "dp_noise_multiplier": 1.0})
+    plain = workload_facts(config({"name": "gossip"}), time_kernels=True)["kernels"]
+    timed = workload_facts(private, time_kernels=True)["kernels"]
+    assert timed["strategy_backward"] and not plain["strategy_backward"]
+    # each sample's gradient written, read for its norm and read again for the clipped sum: a pass over
+    # 64 gradients' worth of bytes, several times the batched backward's
+    assert timed["backward_s"] > 3 * plain["backward_s"]
+    gossip = _config("gossip", 2, dp_noise_multiplier=1.0)
+    with_kernels = predict_local(gossip, {}, {**FACTS, "kernels": {**KERNELS, "strategy_backward": True}}, PROFILE)
+    without = predict_local(gossip, {}, {**FACTS, "kernels": {**KERNELS, "strategy_backward": False}}, PROFILE)
+    b_with, b_without = with_kernels["breakdown_s"], without["breakdown_s"]
+    assert b_without["backward_s"] + b_without["forward_s"] == pytest.approx(
+        PRIVATE_COMPUTE_FACTOR * (b_with["backward_s"] + b_with["forward_s"]))

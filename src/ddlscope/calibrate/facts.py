@@ -6,7 +6,7 @@ import copy
 import json
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 # Steps timed by the kernel benchmark (after the warm-up ones): enough for a stable median of a step
 # that takes milliseconds, few enough that predict-run stays a second or two per run.
@@ -20,6 +20,7 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     in this process (`kernel_times`)."""
     from ddlscope.runtime.config import experiment_from_dict
     from ddlscope.runtime.profiler import profile_task
+    from ddlscope.strategies import runtime_class
     from ddlscope.workloads import WORKLOADS
 
     exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
@@ -27,7 +28,8 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     per_rank = exp.per_rank_batch()
     step = profile_task(task, per_rank, count_ops=True)
     assert step.ops is not None
-    kernels = kernel_times(task, exp.workload, per_rank, exp.cluster.threads_per_rank) if time_kernels else None
+    kernels = kernel_times(task, exp.workload, per_rank, exp.cluster.threads_per_rank,
+                           runtime_class(exp.strategy).kernel_backward(exp.strategy)) if time_kernels else None
     return {
         "flops": step.flops,
         "ops": step.ops.ops,
@@ -51,10 +53,13 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     }
 
 
-def kernel_times(task: Any, workload: Any, per_rank: int, threads: int) -> dict[str, Any]:
+def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
+                 backward: Callable[[Any, Any, Any, Any], None] | None = None) -> dict[str, Any]:
     """Median time of one rank's batch read, forward (with the loss), backward and optimizer step (with
     zero_grad; the workload's optimizer over the whole model), alone in this process with the rank's
-    intra-op threads: the workload's own kernels benchmarked on this machine.
+    intra-op threads: the workload's own kernels benchmarked on this machine. `backward`: the
+    strategy's own gradient pass where it replaces `loss.backward()` (Strategy.kernel_backward: a
+    private step's per-sample gradients), timed as the backward.
 
     A one-device profile is what trace-driven predictors start from (Daydream, Zhu et al. 2020); here
     it stands in for the FLOP model where CPU kernels run far from their FLOP or byte rates: a
@@ -78,7 +83,10 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int) -> dict[
             t1 = time.perf_counter()
             loss = task.loss_fn(model(x), y)
             t2 = time.perf_counter()
-            loss.backward()
+            if backward is None:
+                loss.backward()
+            else:
+                backward(model, task.loss_fn, x, y)
             t3 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -92,4 +100,5 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int) -> dict[
         torch.set_num_threads(previous_threads)
     median = statistics.median
     return {"data_s": median(read_s), "forward_s": median(forward_s), "backward_s": median(backward_s),
-            "optimizer_s": median(optimizer_s), "steps": KERNEL_TIMED_STEPS, "threads": threads}
+            "optimizer_s": median(optimizer_s), "steps": KERNEL_TIMED_STEPS, "threads": threads,
+            "strategy_backward": backward is not None}

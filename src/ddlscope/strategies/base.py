@@ -104,6 +104,13 @@ class Strategy(ABC):
             self.optimizer.zero_grad(set_to_none=True)
             return loss.item()
 
+    @staticmethod
+    def kernel_backward(spec: StrategySpec) -> Callable[[nn.Module, LossFn, torch.Tensor, torch.Tensor], None] | None:
+        """The gradient pass this strategy runs in place of the workload's `loss.backward()`, as
+        `(model, loss_fn, x, y) -> None` leaving the gradients in `.grad`; predict-run times it with
+        the workload's kernels (calibrate/facts.py). None: the plain backward."""
+        return None
+
     def forward_backward(self, batch: Batch, timer: StepTimer) -> torch.Tensor:
         """The forward and backward passes of this rank's batch, each in its phase; returns the loss."""
         if self.model is None or self.optimizer is None or self.loss_fn is None:

@@ -35,7 +35,7 @@ import json
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,12 +114,16 @@ class Gossip(ReplicatedModel):
         x, y = batch
         with timer.phase("forward"):  # a plain forward: the loss, and the activations the meter counts
             loss = self.loss_fn(self.model(x), y).detach()
-        with timer.phase("backward"), without_saved_tensor_hooks():
-            per_sample = per_sample_gradients(self.model, self.loss_fn, x, y)
-            noisy = clipped_noisy_mean(per_sample, self.spec.dp_clip_norm, self.spec.dp_noise_multiplier, self.noise)
-            for name, p in self.model.named_parameters():
-                p.grad = noisy[name]
+        with timer.phase("backward"):
+            private_gradients(self.model, self.loss_fn, x, y, self.spec, self.noise)
         return loss
+
+    @staticmethod
+    def kernel_backward(spec: GossipSpec) -> Callable[[nn.Module, LossFn, torch.Tensor, torch.Tensor], None] | None:
+        if not spec.private:
+            return None
+        noise = torch.Generator().manual_seed(0)
+        return lambda model, loss_fn, x, y: private_gradients(model, loss_fn, x, y, spec, noise)
 
     def privacy_epsilon(self) -> float:
         """Epsilon at dp_delta for the whole run: every worker takes part in every step, a sample in one
@@ -239,6 +243,16 @@ def without_saved_tensor_hooks() -> Iterator[None]:
     finally:
         for pack, unpack in reversed(hooks):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def private_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor, spec: GossipSpec,
+                      noise: torch.Generator) -> None:
+    """DP-SGD's gradient of the batch into each parameter's `.grad`: per-sample, clipped, noised, averaged."""
+    with without_saved_tensor_hooks():
+        per_sample = per_sample_gradients(model, loss_fn, x, y)
+        noisy = clipped_noisy_mean(per_sample, spec.dp_clip_norm, spec.dp_noise_multiplier, noise)
+        for name, p in model.named_parameters():
+            p.grad = noisy[name]
 
 
 def per_sample_gradients(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:

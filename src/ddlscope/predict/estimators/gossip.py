@@ -65,7 +65,9 @@ class GossipEstimator(Estimator):
         return case.replicated_state_bytes + case.activation_bytes + extra_copies_bytes(case, copies), None
 
     def local_compute_factor(self, spec: GossipSpec, case: LocalCase) -> float:
-        return PRIVATE_COMPUTE_FACTOR if spec.private else 1.0
+        # Where predict-run timed the strategy's own backward (the per-sample pass), the kernels hold it.
+        timed = (case.facts.get("kernels") or {}).get("strategy_backward")
+        return PRIVATE_COMPUTE_FACTOR if spec.private and not timed else 1.0
 
     def local_comm(self, spec: GossipSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         peers = degree(spec, case.world)
