@@ -141,7 +141,7 @@ def main() -> int:
         return rescore(args.rescore, kernels=not args.no_kernels)
 
     from ddlscope.analysis.summary import summarize
-    from ddlscope.calibrate import calibrate, load_profile, workload_facts, write_profile
+    from ddlscope.calibrate import calibrate, facts_key, load_profile, workload_facts, write_profile
     from ddlscope.predict.local import compare, measured_from_summary, predict_local
     from ddlscope.runtime.config import load_experiment
     from ddlscope.runtime.launcher import launch
@@ -187,7 +187,7 @@ def main() -> int:
             # not the predictor's error.
             runs.sort(key=lambda pair: pair[1]["step_s"])
             run, measured = runs[len(runs) // 2]
-            key = json.dumps([run.config["workload"], exp.per_rank_batch()], sort_keys=True)
+            key = facts_key(run.config)
             if key not in facts_cache:
                 facts_cache[key] = workload_facts(run.config, time_kernels=not args.no_kernels)
             predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
@@ -213,13 +213,13 @@ def main() -> int:
 def rescore(path: Path, kernels: bool = True) -> int:
     """The runs of an earlier --json, predicted again by this code from the same calibration (and the
     kernel times saved with them; timed now for a file from before kernel timing)."""
-    from ddlscope.calibrate import workload_facts
+    from ddlscope.calibrate import facts_key, workload_facts
     from ddlscope.predict.local import compare, predict_local
 
     saved = json.loads(path.read_text())
     rows, facts_cache = [], {}
     for row in saved["rows"]:
-        key = json.dumps([row["run_config"]["workload"], row["run_config"]["cluster"]["world_size"]], sort_keys=True)
+        key = facts_key(row["run_config"])
         if key not in facts_cache:
             timed = (row.get("facts") or {}).get("kernels")
             facts_cache[key] = workload_facts(row["run_config"], time_kernels=kernels and not timed)

@@ -330,7 +330,7 @@ def test_a_private_step_times_its_own_per_sample_backward():
     """Private gossip replaces loss.backward() with per-sample gradients (clipped, noised): predict-run
     times that pass as the backward, and the estimator then adds no FLOP-ratio factor on top; without
     timed kernels the factor prices it."""
-    from ddlscope.calibrate import workload_facts
+    from ddlscope.calibrate import facts_key, workload_facts
     from ddlscope.predict.estimators.gossip import PRIVATE_COMPUTE_FACTOR
 
     def config(strategy: dict) -> dict:
@@ -338,6 +338,8 @@ def test_a_private_step_times_its_own_per_sample_backward():
                 "strategy": strategy, "cluster": {"world_size": 2}}
 
     private = config({"name": "gossip", "dp_noise_multiplier": 1.0})
+    # runs share timed kernels by workload and per-rank batch, apart from a strategy that times its own
+    assert facts_key(config({"name": "gossip"})) == facts_key(config({"name": "ddp"})) != facts_key(private)
     plain = workload_facts(config({"name": "gossip"}), time_kernels=True)["kernels"]
     timed = workload_facts(private, time_kernels=True)["kernels"]
     assert timed["strategy_backward"] and not plain["strategy_backward"]

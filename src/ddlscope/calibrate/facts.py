@@ -53,6 +53,19 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     }
 
 
+def facts_key(experiment_config: dict[str, Any]) -> str:
+    """What `workload_facts` of a run depends on: its workload and per-rank batch, and its strategy
+    where the strategy times a gradient pass of its own (Strategy.kernel_backward). Runs with equal
+    keys share facts (benchmarks/predict_local.py times each key's kernels once)."""
+    from ddlscope.runtime.config import experiment_from_dict
+    from ddlscope.strategies import runtime_class
+
+    exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
+    own_backward = runtime_class(exp.strategy).kernel_backward(exp.strategy) is not None
+    return json.dumps([experiment_config["workload"], exp.per_rank_batch(),
+                       experiment_config["strategy"] if own_backward else None], sort_keys=True)
+
+
 def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
                  backward: Callable[[Any, Any, Any, Any], None] | None = None) -> dict[str, Any]:
     """Median time of one rank's batch read, forward (with the loss), backward and optimizer step (with
