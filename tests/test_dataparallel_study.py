@@ -19,17 +19,18 @@ def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     knobs = {f"ddp+{v}" for v in ("fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8", "per_layer", "mgwfbp")}
     assert {"ddp", "ps-async", "localsgd", "diloco", "cocod", "hpsgd", "hpsgd+mc", "osp", "gossip",
             "localsgd+bf16", "dbs", "ddp+speeds", "ps-async+hogbatch", "gossip+async", "omnivore+g2",
-            "ps-sync"} | knobs == strategies
+            "ps-sync", "gossip+dp"} | knobs == strategies
     assert {c.labels["strategy"] for c in quick} >= {"ddp+topk", "ddp+mgwfbp", "dbs"}
     regimes = {(c.labels["network"], c.labels["workers"]) for c in full}
     assert regimes == {("fast", "homogeneous"), ("fast", "straggler"), ("slow", "homogeneous"), ("slow", "straggler")}
     # + DDP's 6 hooks, 2 plans x 2 networks, localsgd bf16; dbs x 4 regimes, 2 static splits x 2 stragglers;
-    # async gossip with the straggler on both networks; omnivore, ps-sync and ps-async at 4 workers
-    assert len({c.key for c in full}) == len(full) == 36 + 11 + 8 + 2 + 3
+    # async gossip with the straggler on both networks; private gossip; omnivore, ps-sync and ps-async at 4 workers
+    assert len({c.key for c in full}) == len(full) == 36 + 11 + 8 + 2 + 1 + 3
     assert by_key_async(full) == {"gossip+async/fast/straggler/w2": "async", "gossip+async/slow/straggler/w2": "async"}
     assert all(c.experiment.cluster.slowdown for c in full if c.labels["strategy"] == "gossip+async")
     by_key = {c.key: c.experiment.strategy for c in full}
     assert by_key["omnivore+g2/slow/straggler/w4"].groups == 2
+    assert by_key["gossip+dp/fast/homogeneous/w2"].private and not by_key["gossip/fast/homogeneous/w2"].private
     assert by_key["ddp+topk/slow/homogeneous/w2"].comm_hook == "topk"
     assert by_key["ddp+mgwfbp/fast/homogeneous/w2"].buckets == "mgwfbp"
     assert by_key["localsgd+bf16/slow/homogeneous/w2"].compression == "bf16"
@@ -144,3 +145,15 @@ def test_cells_at_another_worker_count_do_not_pool_with_the_two_worker_ones():
     assert analysis.get("ps-async", "slow", "straggler").step_s == pytest.approx(0.040)
     assert analysis.get("ps-async x4", "slow", "straggler").step_s == pytest.approx(0.200)
     assert analysis.get("ps-async x4", "slow", "straggler").seeds == 2
+
+
+def test_private_gossip_headline_reads_its_cost_and_epsilon():
+    kb = 150_000.0
+    plain = _result("gossip", "fast", "homogeneous", 0.010, 0.97, kb, 0.002)
+    private = _result("gossip+dp", "fast", "homogeneous", 0.050, 0.92, kb, 0.002)
+    private.summary.strategy_metrics = [{"name": "privacy_epsilon", "value": 3.25, "detail": ""}]
+    by_name = {h["headline"]: h for h in STUDIES.get("dataparallel")().analyse([plain, private], quick=False).headlines}
+    headline = by_name["Private gossip (DP-SGD)"]
+    assert "step 50.0 ms vs 10.0 ms without privacy (5.0x" in headline["measured"]
+    assert "accuracy 92.0% vs 97.0% (-5.0 points), epsilon 3.25" in headline["measured"]
+    assert headline["verdict"] == "agrees: privacy at a bounded epsilon, paid in step time and accuracy"

@@ -64,6 +64,8 @@ KNOB_CELLS: dict[tuple[str, str], dict[str, object]] = {
     ("ddp", "speeds"): {"batch_split": "cluster"},
     ("ps-async", "hogbatch"): {"batch_split": "cluster", "lock_free": True},
     ("gossip", "async"): {"mode": "async"},  # asynchronous gossip: studied where it should win, with a straggler
+    # private gossip (DP-SGD, PAPERS.md item 11): what the privacy costs in step time and accuracy, and its epsilon
+    ("gossip", "dp"): {"dp_noise_multiplier": 1.0, "dp_clip_norm": 1.0},
     ("omnivore", "g2"): {"groups": 2}}  # Omnivore: two compute groups, synchronous inside, asynchronous across
 OMNIVORE_WORKERS = 4
 SERVERS = ("ps-sync", "ps-async")
@@ -125,6 +127,7 @@ class DataParallelStudy(Study):
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
             cells += [cell("gossip+async", network, "straggler") for network in NETWORKS]
+            cells.append(cell("gossip+dp", "fast", "homogeneous"))
             # Omnivore needs 4 workers for groups to be neither ps-sync (1 group) nor ps-async (a group a
             # worker): 2 groups of 2 against both servers at the same size, slow network, one straggler.
             cells += [cell(s, "slow", "straggler", world=OMNIVORE_WORKERS) for s in ("omnivore+g2", *SERVERS)]
@@ -171,7 +174,7 @@ class _Analysis:
     def findings(self) -> Findings:
         headlines = [h for h in (self._local_sgd(), self._cocod(), self._hpsgd(), self._osp(), self._diloco(),
                                  self._compression(), self._buckets("fast"), self._buckets("slow"),
-                                 self._dbs(), self._static_split()) if h]
+                                 self._dbs(), self._static_split(), self._private_gossip()) if h]
         regimes = self._regimes()
         decisions = [line for _, line in regimes]
         table = self._table()
@@ -285,6 +288,24 @@ class _Analysis:
                    else "partly: far less communication, but accuracy fell by more than 2 points")
         return {"headline": "DiLoCo", "paper": "hundreds of times less communication at similar quality (outer "
                 "Nesterov momentum, Douillard et al. 2023)", "measured": measured, "verdict": verdict}
+
+    def _private_gossip(self) -> dict[str, str] | None:
+        pair = self._versus("gossip+dp", "gossip", "fast")
+        if not pair:
+            return None
+        private, plain = pair
+        epsilon = median_or_none([m["value"] for r in self.results if r.cell.labels["strategy"] == "gossip+dp"
+                                  for m in r.summary.strategy_metrics if m["name"] == "privacy_epsilon"])
+        points = (private.accuracy - plain.accuracy) * 100
+        measured = (f"fast network: step {_ms(private.step_s)} vs {_ms(plain.step_s)} without privacy "
+                    f"({private.step_s / plain.step_s:.1f}x: the per-sample gradients), accuracy {private.accuracy:.1%} "
+                    f"vs {plain.accuracy:.1%} ({points:+.1f} points), epsilon "
+                    + (f"{epsilon:.2f}" if epsilon is not None else "n/a") + " at delta 1e-5 (noise multiplier 1, clip 1)")
+        verdict = ("agrees: privacy at a bounded epsilon, paid in step time" + (
+            " and accuracy" if points < -2 else ", accuracy within 2 points"))
+        return {"headline": "Private gossip (DP-SGD)", "paper": "gossip averaging with Gaussian noise makes the "
+                "shared models differentially private (A(DP)^2SGD, PAPERS.md item 11)",
+                "measured": measured, "verdict": verdict}
 
     def _compression(self) -> dict[str, str] | None:
         ddp = self.get("ddp", "slow")
