@@ -135,7 +135,9 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
 def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
     """Indices (cluster k, config i) of the `count` best fitting configurations.
 
-    Equal scores (to 1e-9 relative) go to the one needing less memory, then fewer GPUs.
+    Equal scores (to 1e-9 relative) go to the one needing less memory, then fewer GPUs, then the
+    earlier in the search's order: argpartition's order among equals differs between CPUs (its
+    SIMD paths), so without the last key two equal layouts swapped places from machine to machine.
     """
     values = np.concatenate([np.where(out["fits"], out[key], np.inf) for _, _, out in scored])
     memory = np.concatenate([out["memory_bytes"] for _, _, out in scored])
@@ -146,7 +148,7 @@ def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
     pool = min(len(values), count * 8)
     best = np.argpartition(values, pool - 1)[:pool] if pool < len(values) else np.arange(len(values))
     rounded = np.round(values[best] / values[best].min(), 9)
-    best = best[np.lexsort((owner[best], memory[best], rounded))]
+    best = best[np.lexsort((local[best], owner[best], memory[best], rounded))]
     return [(int(owner[j]), int(local[j])) for j in best[:count]]
 
 
