@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import socket
@@ -278,10 +279,11 @@ def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs
             local_addr=None if rdzv_endpoint else LOOPBACK,
             **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
-        return elastic_launch(config, _rank_entry)(dict(os.environ), threads_per_rank, entrypoint, *args)
+        return elastic_launch(config, _rank_entry)(dict(os.environ), threads_per_rank, os.getpid(), entrypoint, *args)
 
 
-def _rank_entry(environment: dict[str, str], threads: int, entrypoint: Callable[..., Any], *args: Any) -> Any:
+def _rank_entry(environment: dict[str, str], threads: int, launcher_pid: int, entrypoint: Callable[..., Any],
+                *args: Any) -> Any:
     """A rank's first call: the launcher's environment as of the launch, then `entrypoint(*args)`.
 
     A forked rank inherits the fork server's environment, taken when the server started (the first
@@ -296,7 +298,28 @@ def _rank_entry(environment: dict[str, str], threads: int, entrypoint: Callable[
     os.environ.update(environment)
     os.environ.update(set_by_agent)
     torch.set_num_threads(threads)
+    _die_with(launcher_pid)
     return entrypoint(*args)
+
+
+def _die_with(launcher_pid: int) -> None:
+    """A rank must not outlive its launcher (killed, or timed out by a test). A forked rank's parent is
+    the fork server, which outlives a killed launcher while any rank holds the server's liveness pipe
+    (every fork inherits it), so the rank's PR_SET_PDEATHSIG (runtime/worker.py) would not fire: a
+    thread waits on the launcher's pidfd and kills the rank when the launcher is gone."""
+    if not hasattr(os, "pidfd_open"):  # not Linux: parent-death signals are not there either
+        return
+    try:
+        launcher = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait_for_launcher() -> None:
+        select.select([launcher], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_for_launcher, name="launcher-watch", daemon=True).start()
 
 
 LOOPBACK = "127.0.0.1"
