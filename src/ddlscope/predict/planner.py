@@ -148,7 +148,8 @@ def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
     pool = min(len(values), count * 8)
     best = np.argpartition(values, pool - 1)[:pool] if pool < len(values) else np.arange(len(values))
     rounded = np.round(values[best] / values[best].min(), 9)
-    best = best[np.lexsort((local[best], owner[best], memory[best], rounded))]
+    # whole bytes: sums in another order (another CPU's SIMD path) must not reorder equal layouts
+    best = best[np.lexsort((local[best], owner[best], np.round(memory[best]), rounded))]
     return [(int(owner[j]), int(local[j])) for j in best[:count]]
 
 
