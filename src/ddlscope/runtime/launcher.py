@@ -377,8 +377,16 @@ def _environment_variable(name: str, value: str) -> Iterator[None]:
 
 
 def _first_failure(exc: ChildFailedError) -> str:
-    """One line for the root-cause failure: the worker's exception, or how the process died."""
-    rank, failure = exc.get_first_failure()
+    """One line for the root-cause failure: the worker's exception, or how the process died.
+
+    The earliest failure, as torch's get_first_failure picks it, except within one second (its
+    timestamps are whole seconds): there a rank that died without a Python exception (killed, or
+    exited) goes before ranks that raised, whose collectives failed because that rank was gone.
+    """
+    def raised(failure: Any) -> bool:
+        return bool(failure.error_file) and Path(failure.error_file).exists()
+
+    rank, failure = min(exc.failures.items(), key=lambda kv: (kv[1].timestamp, raised(kv[1]), kv[0]))
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", str(message))

@@ -137,12 +137,25 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
     except BaseException as exc:
         if not writer.closed:
             writer.event("error", f"{type(exc).__name__}: {exc}")
+        if _peer_was_lost(exc):
+            time.sleep(PEER_LOSS_GRACE_S)
         raise
     finally:
         writer.close()
         heartbeat.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# A rank whose collective failed because a peer vanished waits this long before failing: the agent
+# reports the first exit it sees (polling every 0.1 s), and that should be the vanished peer's, the
+# root cause, not this consequence of it (ranks forked from one server can be reported together).
+PEER_LOSS_GRACE_S = 1.0
+PEER_LOSS_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _peer_was_lost(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOSS_MARKERS)
 
 
 def _take_part(exp: Experiment, ctx: RunContext, writer: RowWriter, run_dir: Path, checkpointer: Checkpointer,
