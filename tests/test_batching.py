@@ -9,6 +9,7 @@ the parameter servers (a declared split through ps-sync, a Hogbatch ps-async wit
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,17 @@ from pydantic import ValidationError
 from ddlscope.specs import ConfigError
 from ddlscope.specs.strategies.batching import balanced_split, split_batch, step_slowdowns
 
-STEPS = 7
+STEPS = 11
+RESPLIT = 5  # re-splits at steps 5 and 10; steps 0-1 are not measured (one-off costs)
 BATCH = 32
 COMMON = {"workload.name": "mlp-digits", "workload.steps": STEPS, "workload.batch_size": BATCH,
           "workload.lr": 0.2, "workload.momentum": 0.5, "workload.eval_batches": 1, "seed": 3}
 CONFIGS: dict[str, dict[str, Any]] = {
     "ddp": {"strategy.name": "ddp"},
-    # equal speeds: the measured throughputs differ only by noise; re-split at steps 3 and 6 (steps 0-1
-    # are not measured: one-off costs)
-    "dbs-equal": {"strategy.name": "dbs", "strategy.resplit_every_steps": 3},
+    # equal speeds: the measured throughputs differ only by noise
+    "dbs-equal": {"strategy.name": "dbs", "strategy.resplit_every_steps": RESPLIT},
     # rank 1 three times slower: its batch must shrink after the first re-split
-    "dbs-straggler": {"strategy.name": "dbs", "strategy.resplit_every_steps": 3, "cluster.slowdown": [1, 3]},
+    "dbs-straggler": {"strategy.name": "dbs", "strategy.resplit_every_steps": RESPLIT, "cluster.slowdown": [1, 3]},
     "ddp-declared": {"strategy.name": "ddp", "strategy.batch_split": "declared", "strategy.worker_speeds": [3, 1]},
 }
 
@@ -219,19 +220,29 @@ def test_dbs_equals_ddp_and_moves_the_batch_to_the_fast_worker(trained):
     assert max_difference(models["dbs-equal"], models["ddp"]) < 1e-6
     assert max_difference(models["dbs-straggler"], models["ddp"]) < 1e-6  # re-split, still exact
     even = _samples(trained, "dbs-equal")
-    assert all(a + b == BATCH for a, b in even) and even[:3] == [(16, 16)] * 3
-    assert all(abs(a - b) <= 16 for a, b in even[3:]), even  # noise, not a 3:1 split
+    assert all(a + b == BATCH for a, b in even) and even[:RESPLIT] == [(16, 16)] * RESPLIT
+    assert all(abs(a - b) <= 16 for a, b in even[RESPLIT:]), even  # noise, not a 3:1 split
     uneven = _samples(trained, "dbs-straggler")
-    assert all(a + b == BATCH for a, b in uneven) and uneven[:3] == [(16, 16)] * 3
-    # The first re-split (step 3) measured equal batches: a 3x slower worker's throughput is a third, so
-    # it gets about a quarter of the batch (8 of 32); bounded both ways.
-    assert 4 <= uneven[3][1] <= 11 and uneven[4] == uneven[5] == uneven[3], uneven
-    # The second (step 6) may fit an overhead from the two batch sizes; the straggler stays below half.
-    assert 1 <= uneven[6][1] < 16, uneven
+    assert all(a + b == BATCH for a, b in uneven) and uneven[:RESPLIT] == [(16, 16)] * RESPLIT
+    # The first re-split measured equal batches (steps 2-4): each worker's median step compute, the
+    # split that equalises them. The rows hold the same compute, so the split is known exactly.
+    first = uneven[RESPLIT]
+    assert uneven[RESPLIT:2 * RESPLIT] == [first] * RESPLIT, uneven
+    step_s = [_median_compute_s(trained, rank, "dbs-straggler", range(2, RESPLIT)) for rank in (0, 1)]
+    assert 1.5 < step_s[1] / step_s[0] < 8, step_s  # the emulated 3x straggler: slower, not absurdly
+    assert list(first) == balanced_split(BATCH, [0, 0], [s / 16 for s in step_s]), (uneven, step_s)
+    assert 2 <= first[1] <= 12, uneven  # about a quarter (8 of 32) for a 3x slower worker
+    # The second (step 10) may fit an overhead from the two batch sizes; the straggler stays below half.
+    assert 1 <= uneven[2 * RESPLIT][1] < 16, uneven
     # the re-split's all-gather of (overhead, per-sample time) is counted: 16 bytes more on re-split steps
     sent = [r["bytes_sent"] for r in trained[0]["rows"]["dbs-equal"]]
     ddp_sent = trained[0]["rows"]["ddp"][0]["bytes_sent"]
-    assert sent == [ddp_sent + (16 if s in (3, 6) else 0) for s in range(STEPS)]
+    assert sent == [ddp_sent + (16 if s in (RESPLIT, 2 * RESPLIT) else 0) for s in range(STEPS)]
+
+
+def _median_compute_s(trained: dict[int, Any], rank: int, label: str, steps: range) -> float:
+    rows = trained[rank]["rows"][label]
+    return statistics.median(rows[s]["forward_s"] + rows[s]["backward_s"] for s in steps)
 
 
 # -- the parameter servers: two workers and a server, the real loop and server loop -------------

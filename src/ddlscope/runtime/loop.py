@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -177,34 +178,42 @@ def _restore(checkpointer: Checkpointer | None, model: nn.Module, optimizer: tor
 
 class _Straggler:
     """An emulated slow rank (cluster.slowdown, cluster.jitter): it computes `stretch` times slower,
-    the extra time slept after each forward pass so that it shows as forward time."""
+    the extra time slept after each forward pass so that it shows as forward time. The backward pass
+    it stands for is not known yet when it sleeps: it is the median of the last few steps' backward
+    per forward pass, so a one-off slow backward (the first steps', a scheduler hiccup) does not
+    stretch the next step too."""
+
+    RECENT_STEPS = 5
 
     def __init__(self, exp: Experiment, rank: int):
         self.slowdown = exp.cluster.slowdown_of(rank)
         self.jitter = exp.cluster.jitter
         self.rng = random.Random(exp.seed * 7919 + rank) if self.jitter else None
-        self.backward_per_forward_s: float | None = None  # the last step's, not known at the first
+        self.recent_backward_per_forward_s: list[float] = []  # none at the first step
 
     def state(self) -> dict[str, object]:
         return {"rng": list(self.rng.getstate()[1]) if self.rng else None,
                 "rng_version": self.rng.getstate()[0] if self.rng else 0,
-                "backward_per_forward_s": self.backward_per_forward_s}
+                "recent_backward_per_forward_s": list(self.recent_backward_per_forward_s)}
 
     def restore(self, state: dict[str, object]) -> None:
         if self.rng and state.get("rng") is not None:
             self.rng.setstate((state["rng_version"], tuple(state["rng"]), None))  # type: ignore[arg-type]
-        self.backward_per_forward_s = state.get("backward_per_forward_s")  # type: ignore[assignment]
+        self.recent_backward_per_forward_s = list(state.get("recent_backward_per_forward_s") or [])  # type: ignore[call-overload]
 
     def learn(self, backward_compute_s: float, forwards: int) -> None:
         """The step's backward compute, shared over its forward passes (micro-batches)."""
-        self.backward_per_forward_s = backward_compute_s / max(forwards, 1)
+        recent = self.recent_backward_per_forward_s
+        recent.append(backward_compute_s / max(forwards, 1))
+        del recent[:-self.RECENT_STEPS]
 
     def after_forward(self, forward_s: float) -> None:
         """Sleep for this forward's share of the step's extra compute time, if any."""
         stretch = self.slowdown * (1 + self.jitter * self.rng.random()) if self.rng else self.slowdown
         if stretch <= 1:
             return
-        backward_s = self.backward_per_forward_s or 2 * forward_s
+        recent = self.recent_backward_per_forward_s
+        backward_s = statistics.median(recent) if recent else 2 * forward_s
         time.sleep((stretch - 1) * (forward_s + backward_s))
 
 
