@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -17,10 +18,9 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     """FLOPs, op counts and parameter bytes of one rank's training step (forward + backward), from
     the step profiler (runtime/profiler.py) with its op-counting pass: a small model's CPU step is
     mostly per-op overhead, not FLOPs. With `time_kernels`, also the step's own kernels timed alone
-    in this process (`kernel_times`)."""
+    and, for a run of several ranks, side by side, in launched ranks (`rank_kernel_times`)."""
     from ddlscope.runtime.config import experiment_from_dict
     from ddlscope.runtime.profiler import profile_task
-    from ddlscope.strategies import runtime_class
     from ddlscope.workloads import WORKLOADS
 
     exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
@@ -28,8 +28,7 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     per_rank = exp.per_rank_batch()
     step = profile_task(task, per_rank, count_ops=True)
     assert step.ops is not None
-    kernels = kernel_times(task, exp.workload, per_rank, exp.cluster.threads_per_rank,
-                           runtime_class(exp.strategy).kernel_backward(exp.strategy)) if time_kernels else None
+    kernels = rank_kernel_times(experiment_config) if time_kernels else None
     return {
         "flops": step.flops,
         "ops": step.ops.ops,
@@ -54,15 +53,15 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
 
 
 def facts_key(experiment_config: dict[str, Any]) -> str:
-    """What `workload_facts` of a run depends on: its workload and per-rank batch, and its strategy
-    where the strategy times a gradient pass of its own (Strategy.kernel_backward). Runs with equal
+    """What `workload_facts` of a run depends on: its workload, per-rank batch and the ranks that compute
+    side by side, and its strategy where the strategy times a gradient pass of its own (Strategy.kernel_backward). Runs with equal
     keys share facts (benchmarks/predict_local.py times each key's kernels once)."""
     from ddlscope.runtime.config import experiment_from_dict
     from ddlscope.strategies import runtime_class
 
     exp = experiment_from_dict(json.loads(json.dumps(experiment_config)))
     own_backward = runtime_class(exp.strategy).kernel_backward(exp.strategy) is not None
-    return json.dumps([experiment_config["workload"], exp.per_rank_batch(),
+    return json.dumps([experiment_config["workload"], exp.per_rank_batch(), contention_processes(experiment_config),
                        experiment_config["strategy"] if own_backward else None], sort_keys=True)
 
 
@@ -114,4 +113,89 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
     median = statistics.median
     return {"data_s": median(read_s), "forward_s": median(forward_s), "backward_s": median(backward_s),
             "optimizer_s": median(optimizer_s), "steps": KERNEL_TIMED_STEPS, "threads": threads,
-            "strategy_backward": backward is not None}
+            "strategy_backward": backward is not None,
+            "compute_samples_s": [f + b for f, b in zip(forward_s, backward_s)]}  # each timed step's
+
+
+def contention_processes(experiment_config: dict[str, Any]) -> int:
+    """How many of a run's ranks compute at once: its training ranks (a parameter server sleeps in recv
+    meanwhile). More of them than cores take turns for a core, and the kernels timed side by side
+    hold that turn-taking too, as the runs' forward and backward times do."""
+    return max(1, int(experiment_config["cluster"]["world_size"]))
+
+
+def rank_kernel_times(experiment_config: dict[str, Any]) -> dict[str, Any]:
+    """The step's own kernels (`kernel_times`) timed where a training rank runs them: in launched ranks,
+    `contention_processes` of them. Each times the step alone (the others parked in a barrier), then
+    all together. The alone medians are averaged over ranks; side by side (`together`), every rank's
+    timed steps are pooled: `stretch` is their median over the alone one, and `slowest_wait_s` how
+    long the mean rank waits for the slowest of `processes` (a synchronous step waits for its slowest
+    rank), from their spread as if normal.
+
+    In a rank, not in the calling process: the same ResNet step took 27 ms in a fresh process and in
+    the ranks, and 22 ms in a process that had launched a run before (its allocator then served the
+    step's large buffers from the heap instead of fresh pages; MALLOC_MMAP_THRESHOLD_ did the same).
+    Side by side: what running beside the other ranks costs these kernels (caches, memory bus, turns
+    for a core), which the calibration's matmul probe measures for a matmul only."""
+    from ddlscope.runtime.launcher import launch_processes
+
+    processes = contention_processes(experiment_config)
+    threads = int(experiment_config["cluster"].get("threads_per_rank", 1))
+    results = list(launch_processes(kernel_rank, (json.dumps(experiment_config),), processes,
+                                    run_id=f"ddlscope-kernels-{os.getpid()}", threads_per_rank=threads).values())
+    alone = [times for times, _ in results]
+    kernels: dict[str, Any] = {**alone[0], **{key: statistics.fmean(times[key] for times in alone)
+                                             for key in ("data_s", "forward_s", "backward_s", "optimizer_s")}}
+    del kernels["compute_samples_s"]
+    if processes > 1:
+        pooled = [s for _, together in results for s in together["compute_samples_s"]]
+        median_s = statistics.median(pooled)
+        # robust to a hiccup: a 100 ms stall in one of 18 timed steps is noise of this machine, not the
+        # workload's spread (as a mean or an empirical maximum would take it)
+        spread_s = NORMAL_MAD_TO_SIGMA * statistics.median(abs(s - median_s) for s in pooled)
+        kernels["together"] = {"processes": processes,
+                               "stretch": median_s / (kernels["forward_s"] + kernels["backward_s"]),
+                               "slowest_wait_s": spread_s * expected_max_of_normals(processes)}
+    return kernels
+
+
+NORMAL_MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation over its median absolute deviation
+
+
+def expected_max_of_normals(draws: int) -> float:
+    """E[max of `draws` independent standard normals] (0.564 for 2, 1.029 for 4): how far, in standard
+    deviations, the slowest of `draws` ranks' steps lies beyond the mean one. The integral
+    of x * draws * pdf(x) * cdf(x)^(draws - 1), summed on a fine grid."""
+    normal, width = statistics.NormalDist(), 0.01
+    return sum(x * draws * normal.pdf(x) * normal.cdf(x) ** (draws - 1) * width
+               for x in (i * width for i in range(-800, 801)))
+
+
+def kernel_rank(config_json: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One rank of `rank_kernel_times`: its kernel times alone, then side by side with the others."""
+    import torch.distributed as dist
+
+    from ddlscope.runtime.config import experiment_from_dict
+    from ddlscope.strategies import runtime_class
+    from ddlscope.workloads import WORKLOADS
+
+    exp = experiment_from_dict(json.loads(config_json))
+    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+    backward = runtime_class(exp.strategy).kernel_backward(exp.strategy)
+
+    def times() -> dict[str, Any]:
+        return kernel_times(task, exp.workload, exp.per_rank_batch(), exp.cluster.threads_per_rank, backward)
+
+    dist.init_process_group("gloo")
+    try:
+        alone: dict[str, Any] = {}
+        for turn in range(dist.get_world_size()):
+            dist.barrier()
+            if turn == dist.get_rank():
+                alone = times()
+        dist.barrier()
+        together = times() if dist.get_world_size() > 1 else alone
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return alone, together

@@ -545,8 +545,9 @@ def predict_run(
     db: DbOption = DEFAULT_DB,
     as_json: JsonOption = False,
     kernels: Annotated[bool, typer.Option(
-        "--kernels/--no-kernels", help="Time the workload's own forward and backward alone on this machine "
-                                       "(about a second) rather than price them from FLOPs and bytes.")] = True,
+        "--kernels/--no-kernels", help="Time the workload's own forward and backward on this machine, alone "
+                                       "and in the run's ranks side by side (a few seconds), rather than "
+                                       "price them from FLOPs and bytes.")] = True,
 ) -> None:
     """Predict a stored local run from its config and this machine's calibration; compare with what it measured."""
     print_run_prediction(run_ref, db, calibration, as_json, kernels)

@@ -8,8 +8,10 @@ Per step and rank:
 
 - compute (forward + backward) = ops x per-op overhead + each matmul's FLOPs
   / the calibrated FLOP/s at its size + the other ops' bytes / memory
-  bandwidth, split 1:2 between forward and backward as the FLOPs are; times
-  the calibrated `compute_stretch` (what running beside the other ranks costs).
+  bandwidth, split 1:2 between forward and backward as the FLOPs are (or the
+  workload's kernels as timed, calibrate/facts.py); times `compute_stretch`
+  (what running beside the other ranks costs: the kernels timed side by side
+  where the facts have them, else the calibration's probe).
 - oversubscription: when more ranks compute than there are cores, each waits
   its turn for a core: the step lasts at least busy CPU time x ranks / cores;
   the turn-taking shows up as waiting (comm_wait), as it does in the runs.
@@ -42,7 +44,9 @@ Per step and rank:
   server's update costs the passes over its shard that runtime/ps_server.py
   makes (server_apply_passes).
 - synchronisation: a rank that finishes its compute waits for the slowest and
-  for gloo's threads to wake: the calibrated `sync_overhead_s` per step
+  for gloo's threads to wake: for a synchronous strategy at least the wait
+  the kernels' spread side by side gives (where timed), and the calibrated
+  `sync_overhead_s` per step
   wherever no probe of the strategy holds that wait already: ddp/fsdp
   without their probes (which time whole steps), parameter servers without
   the transport probe's rounds with compute (which hold the wait for the
@@ -95,14 +99,16 @@ def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[
     # worse (MAPE 10.0% against 7.5% on the same runs and calibration), so they stay a record.
     mem_bw = float(required(compute.memory_bandwidth_bytes_per_s, "memory_bandwidth_bytes_per_s"))
     opt_kind = optimizer_kind(facts)
+    cores = int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1)
+    side_by_side = kernels_side_by_side(facts, int(config["cluster"]["world_size"]))
     return LocalCase(
-        world=int(config["cluster"]["world_size"]), servers=spec.extra_ranks(),
-        cores=int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1),
+        world=int(config["cluster"]["world_size"]), servers=spec.extra_ranks(), cores=cores,
         link=emulated_link(environment), profile=profile, facts=facts,
         alone_s=alone_compute_s(facts, compute, op_s, mem_bw),
         op_s=op_s, memory_bandwidth_bytes_per_s=mem_bw, optimizer_kind=opt_kind,
         per_tensor_s=float(2 * op_s if compute.optimizer_tensor_s is None else compute.optimizer_tensor_s)
-        * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2)
+        * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2,
+        kernel_stretch=(side_by_side or {}).get("stretch"))
 
 
 def alone_compute_s(facts: dict[str, Any], compute: Any, op_s: float, mem_bw: float) -> float:
@@ -113,6 +119,16 @@ def alone_compute_s(facts: dict[str, Any], compute: Any, op_s: float, mem_bw: fl
     if kernels:
         return float(kernels["forward_s"] + kernels["backward_s"])
     return facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw
+
+
+def kernels_side_by_side(facts: dict[str, Any], world: int) -> dict[str, Any] | None:
+    """The workload's kernels timed side by side (facts' kernels.together: stretch, slowest_wait_s), where
+    they were timed with as many ranks at once as this run trains on (ranks beyond the cores: their
+    turn-taking included, so busy_period adds none where the stretch holds it)."""
+    together = (facts.get("kernels") or {}).get("together")
+    if together is None or int(together["processes"]) != world:
+        return None
+    return together
 
 
 def forward_share(facts: dict[str, Any]) -> float:
@@ -148,11 +164,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
 
     # The workers compute side by side (servers sleep in recv meanwhile); every process of the
     # run, servers too, meets at a step's synchronisation.
-    stretch = sync_at(machine_probe(profile, "sync", world), case.alone_s)[0]
     sync_overhead_s = sync_at(machine_probe(profile, "sync", world + case.servers), case.alone_s)[1]
     probed_stretch = estimator.local_compute_stretch(spec, case)
-    if probed_stretch is not None:
-        stretch = probed_stretch
+    stretch = case.side_by_side_stretch() if probed_stretch is None else probed_stretch
     compute_s = case.alone_s * stretch * estimator.local_compute_factor(spec, case)
     forward_s = compute_s * forward_share(facts)
     backward_s = compute_s - forward_s
@@ -173,8 +187,13 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         optimizer_s = zero_grad_s
     notes = list(comm.notes)
 
-    # The synchronisation probe is for a strategy with no probe of its own that holds the wait.
-    sync_s = sync_overhead_s if world > 1 and not comm.holds_sync_wait else 0.0
+    # The synchronisation probe is for a strategy with no probe of its own that holds the wait. A
+    # synchronous step also waits for its slowest rank's compute: as the kernels side by side spread,
+    # where timed (the probes' own compute is small; the synchronisation probe's wait holds its blocks').
+    probe_wait_s = sync_overhead_s if world > 1 and not comm.holds_sync_wait else 0.0
+    side_by_side = kernels_side_by_side(facts, world)
+    slowest_wait_s = float(side_by_side["slowest_wait_s"]) if side_by_side and spec.traits.synchronous else 0.0
+    sync_s = max(probe_wait_s, slowest_wait_s)
     # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
     # Counted for DDP and FSDP too, whose probes hold the turn-taking of their own (tiny) compute only:
     # with the compute timed as kernels, CNN ddp x4 on 2 cores went from -63% to -33% and the MLP's from

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ddlscope.calibrate.model import STATE_TENSORS
+from ddlscope.calibrate.model import STATE_TENSORS, machine_probe, sync_at
 from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.strategies import ServerSpec, StrategyEstimate, Workload
@@ -47,10 +47,19 @@ class LocalCase:
     memory_bandwidth_bytes_per_s: float
     optimizer_kind: str  # sgd, sgd-momentum, adamw
     per_tensor_s: float  # the optimizer's per-tensor overhead
+    kernel_stretch: float | None = None  # the workload's kernels side by side over alone, where timed
 
     @property
     def param_bytes(self) -> float:
         return float(self.facts["param_bytes"])
+
+    def side_by_side_stretch(self) -> float:
+        """How much a rank's compute stretches beside the other ranks': the workload's own kernels timed
+        side by side where the facts have them (calibrate/facts.py rank_kernel_times), else the
+        synchronisation probe's matmul."""
+        if self.kernel_stretch is not None:
+            return self.kernel_stretch
+        return sync_at(machine_probe(self.profile, "sync", self.world), self.alone_s)[0]
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ddlscope.calibrate.model import machine_probe, sync_at
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
@@ -49,7 +48,7 @@ class PartitionedEstimator(Estimator):
     def local_compute_stretch(self, spec: PartitionedSpec, case: LocalCase) -> float | None:
         """A rank computes its part only: 1/p of the model on the whole batch, stretched as the
         synchronisation probe measured ranks computing side by side."""
-        return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0] / case.world
+        return case.side_by_side_stretch() / case.world
 
     def local_optimizer_bytes(self, spec: PartitionedSpec, case: LocalCase) -> float:
         return case.param_bytes / case.world

@@ -10,7 +10,6 @@ from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
     ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors)
 from ddlscope.predict.partition import bubble_fraction, in_flight
-from ddlscope.calibrate.model import machine_probe, sync_at
 from ddlscope.specs.strategies.pipeline import PipelineSpec
 
 
@@ -63,8 +62,7 @@ class PipelineEstimator(Estimator):
         """A rank computes its stages only: 1/p of the model (on the whole batch, which is what the facts
         profile for a strategy that does not split the batch), stretched as the synchronisation probe
         measured ranks computing side by side."""
-        stretch = sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0]
-        return stretch / case.world
+        return case.side_by_side_stretch() / case.world
 
     def local_optimizer_bytes(self, spec: PipelineSpec, case: LocalCase) -> float:
         return case.param_bytes / spec.pipeline_ranks(case.world)

@@ -28,8 +28,11 @@ class PSEstimator(Estimator):
 
     def local_compute_stretch(self, spec: PSSpec, case: LocalCase) -> float | None:
         # Beside a parameter server the workers' compute also meets the server's transport: the
-        # transport probe with compute measures that stretch, and its rounds include the wait for
-        # the other workers' pushes.
+        # transport probe with compute measures that stretch for a matmul (its rounds include the
+        # wait for the other workers' pushes); the workload's own kernels side by side, where timed,
+        # are what these workers compute.
+        if case.kernel_stretch is not None:
+            return case.kernel_stretch
         return ps_compute_stretch(case.profile, case.world, case.alone_s)
 
     def local_memory(self, spec: PSSpec, case: LocalCase) -> dict[str, dict[str, int]]:
@@ -67,7 +70,7 @@ class PSEstimator(Estimator):
             queue_s = max((clients - 1) / 2 * service_s, clients * service_s - cycle)
             comm_s = service_s + flatten_s + max(queue_s, 0.0)
         # The transport probe's rounds with compute hold the wait for the other workers' pushes.
-        comm = LocalComm(comm_s, holds_sync_wait=self.local_compute_stretch(spec, case) is not None)
+        comm = LocalComm(comm_s, holds_sync_wait=ps_compute_stretch(case.profile, case.world, case.alone_s) is not None)
         comm.notes.append(f"ps: the server link serialises the workers' pushes and pulls: one round ({clients:g} "
                           f"workers) {round_s * 1e3:.2f} ms, the server's update {apply_s * 1e3:.2f} ms, "
                           f"flattening a worker's gradients and parameters {flatten_s * 1e3:.2f} ms")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-from ddlscope.calibrate.model import machine_probe, sync_at
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
@@ -58,7 +57,7 @@ class TPEstimator(Estimator):
     def local_compute_stretch(self, spec: TPSpec, case: LocalCase) -> float | None:
         """1/t of the blocks' compute on the whole batch (the rest replicated is counted whole: an
         overestimate for a model whose embeddings and head weigh much)."""
-        return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[0] / case.world
+        return case.side_by_side_stretch() / case.world
 
     def local_optimizer_bytes(self, spec: TPSpec, case: LocalCase) -> float:
         return _rank_param_bytes(spec, case)
