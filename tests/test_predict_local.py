@@ -333,6 +333,23 @@ def test_workload_facts_time_the_workloads_own_kernels():
     assert 0 <= together["slowest_wait_s"] < kernels["forward_s"] + kernels["backward_s"], together
 
 
+def test_kernels_that_cannot_be_timed_leave_the_flop_model_and_a_note(monkeypatch):
+    """Ranks that do not start (or die) while timing the kernels: predict-run prices compute from FLOPs
+    and says why, rather than failing with a launcher's traceback."""
+    from ddlscope.calibrate import facts as facts_module
+
+    def refuse(config: dict) -> dict:
+        raise RuntimeError("rendezvous timed out\nsecond line of a long torch error")
+
+    monkeypatch.setattr(facts_module, "rank_kernel_times", refuse)
+    config = {"workload": {"name": "mlp-digits", "hidden": 32, "layers": 1, "batch_size": 16},
+              "strategy": {"name": "ddp"}, "cluster": {"world_size": 2}}
+    facts = facts_module.workload_facts(config, time_kernels=True)
+    assert "kernels" not in facts and facts["kernels_error"] == "rendezvous timed out"
+    notes = predict_local(_config("ddp"), {}, {**FACTS, "kernels_error": facts["kernels_error"]}, PROFILE)["notes"]
+    assert any("could not be timed in ranks (rendezvous timed out)" in n for n in notes), notes
+
+
 def test_the_slowest_of_n_lies_where_normal_order_statistics_put_it():
     from ddlscope.calibrate.facts import expected_max_of_normals
 

@@ -28,7 +28,13 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     per_rank = exp.per_rank_batch()
     step = profile_task(task, per_rank, count_ops=True)
     assert step.ops is not None
-    kernels = rank_kernel_times(experiment_config) if time_kernels else None
+    kernels, kernels_error = None, None
+    if time_kernels:
+        try:
+            kernels = rank_kernel_times(experiment_config)
+        except Exception as exc:  # noqa: BLE001 (ranks that did not start or died, whatever torch raised)
+            # A prediction from FLOPs, said so, is more use than no prediction: the FLOP model stands.
+            kernels_error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return {
         "flops": step.flops,
         "ops": step.ops.ops,
@@ -49,6 +55,7 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
         "momentum": exp.workload.momentum,
         "per_rank_batch": per_rank,
         **({"kernels": kernels} if kernels else {}),
+        **({"kernels_error": kernels_error} if kernels_error else {}),
     }
 
 

@@ -203,6 +203,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     if turn_wait_s > 0:
         notes.append(f"{world} computing ranks on {case.cores} cores: each waits its turn for a core "
                      f"({turn_wait_s * 1e3:.2f} ms a step, counted as waiting)")
+    if facts.get("kernels_error"):
+        notes.append(f"the workload's kernels could not be timed in ranks ({facts['kernels_error']}): "
+                     f"compute priced from FLOPs and bytes instead")
     if facts.get("kernels"):
         notes.append(f"compute alone: this workload's forward and backward timed on this machine "
                      f"({facts['kernels']['steps']} steps at {facts['per_rank_batch']} samples), not its FLOPs")
