@@ -350,6 +350,18 @@ def test_kernels_that_cannot_be_timed_leave_the_flop_model_and_a_note(monkeypatc
     assert any("could not be timed in ranks (rendezvous timed out)" in n for n in notes), notes
 
 
+def test_a_cluster_sized_run_is_timed_in_one_rank_not_played_out_here(monkeypatch):
+    """A stored 1,024-rank run (from a cluster) must not start 1,024 local ranks to time its kernels."""
+    from ddlscope.calibrate import facts as facts_module
+
+    monkeypatch.setattr(facts_module.os, "cpu_count", lambda: 2)
+
+    def config(world: int) -> dict:
+        return {"cluster": {"world_size": world}}
+
+    assert [facts_module.contention_processes(config(w)) for w in (1, 2, 4, 8, 9, 1024)] == [1, 2, 4, 8, 1, 1]
+
+
 def test_the_slowest_of_n_lies_where_normal_order_statistics_put_it():
     from ddlscope.calibrate.facts import expected_max_of_normals
 

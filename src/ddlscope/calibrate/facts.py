@@ -124,11 +124,19 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
             "compute_samples_s": [f + b for f, b in zip(forward_s, backward_s)]}  # each timed step's
 
 
+# Side by side with at most this many ranks per core: a run from a cluster (hundreds of ranks, stored
+# through the c10d rendezvous or Slurm) is not played out on this machine; its kernels are timed
+# alone, in one rank, and the local model keeps the calibration's stretch.
+MAX_SIDE_BY_SIDE_PER_CORE = 4
+
+
 def contention_processes(experiment_config: dict[str, Any]) -> int:
-    """How many of a run's ranks compute at once: its training ranks (a parameter server sleeps in recv
-    meanwhile). More of them than cores take turns for a core, and the kernels timed side by side
-    hold that turn-taking too, as the runs' forward and backward times do."""
-    return max(1, int(experiment_config["cluster"]["world_size"]))
+    """How many ranks time the kernels: the run's training ranks, which compute at once (a parameter
+    server sleeps in recv meanwhile; more of them than cores take turns for a core, and the kernels
+    timed side by side hold that turn-taking too, as the runs' forward and backward times do), or
+    one where the run has more than MAX_SIDE_BY_SIDE_PER_CORE per core of this machine."""
+    world = max(1, int(experiment_config["cluster"]["world_size"]))
+    return world if world <= MAX_SIDE_BY_SIDE_PER_CORE * (os.cpu_count() or 1) else 1
 
 
 def rank_kernel_times(experiment_config: dict[str, Any]) -> dict[str, Any]:
