@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -348,6 +349,15 @@ def test_kernels_that_cannot_be_timed_leave_the_flop_model_and_a_note(monkeypatc
     assert "kernels" not in facts and facts["kernels_error"] == "rendezvous timed out"
     notes = predict_local(_config("ddp"), {}, {**FACTS, "kernels_error": facts["kernels_error"]}, PROFILE)["notes"]
     assert any("could not be timed in ranks (rendezvous timed out)" in n for n in notes), notes
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted(config: dict) -> dict:
+        raise SignalException("Process 1 got signal: 2", sigval=signal.SIGINT)
+
+    monkeypatch.setattr(facts_module, "rank_kernel_times", interrupted)
+    with pytest.raises(SignalException):  # Ctrl-C stops predict-run; it is not a reason to fall back
+        facts_module.workload_facts(config, time_kernels=True)
 
 
 def test_a_cluster_sized_run_is_timed_in_one_rank_not_played_out_here(monkeypatch):

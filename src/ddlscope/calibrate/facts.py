@@ -30,8 +30,12 @@ def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = Fa
     assert step.ops is not None
     kernels, kernels_error = None, None
     if time_kernels:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         try:
             kernels = rank_kernel_times(experiment_config)
+        except SignalException:  # Ctrl-C or SIGTERM while the ranks ran: the user stops, not a failure
+            raise
         except Exception as exc:  # noqa: BLE001 (ranks that did not start or died, whatever torch raised)
             # A prediction from FLOPs, said so, is more use than no prediction: the FLOP model stands.
             kernels_error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
