@@ -194,6 +194,7 @@ def kernel_rank(config_json: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """One rank of `rank_kernel_times`: its kernel times alone, then side by side with the others."""
     import torch.distributed as dist
 
+    from ddlscope.calibrate.probes import each_rank_alone
     from ddlscope.runtime.config import experiment_from_dict
     from ddlscope.strategies import runtime_class
     from ddlscope.workloads import WORKLOADS
@@ -207,12 +208,7 @@ def kernel_rank(config_json: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
     dist.init_process_group("gloo")
     try:
-        alone: dict[str, Any] = {}
-        for turn in range(dist.get_world_size()):
-            dist.barrier()
-            if turn == dist.get_rank():
-                alone = times()
-        dist.barrier()
+        alone = each_rank_alone(times)
         together = times() if dist.get_world_size() > 1 else alone
         dist.barrier()
     finally:

@@ -50,9 +50,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from ddlscope.calibrate.fit import fit_matmul
+
+T = TypeVar("T")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 MATMUL_SIZES = (64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -308,15 +310,21 @@ def _sync_probe(repeats: int) -> dict[str, Any]:
 
 def _alone_s(block: Any, repeats: int) -> float:
     """Median time of `block` on this rank with every other rank parked in a barrier (each in turn)."""
+    return each_rank_alone(lambda: _median_time(block, repeats))
+
+
+def each_rank_alone(measure: Callable[[], T]) -> T:
+    """`measure()` on every rank in turn, the others parked in a barrier; this rank's result."""
     import torch.distributed as dist
 
-    alone_s = 0.0
+    result: T | None = None
     for turn in range(dist.get_world_size()):
         dist.barrier()
         if turn == dist.get_rank():
-            alone_s = _median_time(block, repeats)
+            result = measure()
     dist.barrier()
-    return alone_s
+    assert result is not None
+    return result
 
 
 def _sync_block_probe(block: Any, iterations: int) -> dict[str, float]:

@@ -99,16 +99,17 @@ def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[
     # worse (MAPE 10.0% against 7.5% on the same runs and calibration), so they stay a record.
     mem_bw = float(required(compute.memory_bandwidth_bytes_per_s, "memory_bandwidth_bytes_per_s"))
     opt_kind = optimizer_kind(facts)
-    cores = int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1)
-    side_by_side = kernels_side_by_side(facts, int(config["cluster"]["world_size"]))
+    side_by_side = kernels_side_by_side(facts, int(config["cluster"]["world_size"])) or {}
     return LocalCase(
-        world=int(config["cluster"]["world_size"]), servers=spec.extra_ranks(), cores=cores,
+        world=int(config["cluster"]["world_size"]), servers=spec.extra_ranks(),
+        cores=int((profile.meta.cores if profile.meta else None) or environment.get("cores") or 1),
         link=emulated_link(environment), profile=profile, facts=facts,
         alone_s=alone_compute_s(facts, compute, op_s, mem_bw),
         op_s=op_s, memory_bandwidth_bytes_per_s=mem_bw, optimizer_kind=opt_kind,
         per_tensor_s=float(2 * op_s if compute.optimizer_tensor_s is None else compute.optimizer_tensor_s)
         * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2,
-        kernel_stretch=(side_by_side or {}).get("stretch"))
+        kernel_stretch=side_by_side.get("stretch"),
+        kernel_slowest_wait_s=float(side_by_side.get("slowest_wait_s", 0.0)))
 
 
 def alone_compute_s(facts: dict[str, Any], compute: Any, op_s: float, mem_bw: float) -> float:
@@ -191,9 +192,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # synchronous step also waits for its slowest rank's compute: as the kernels side by side spread,
     # where timed (the probes' own compute is small; the synchronisation probe's wait holds its blocks').
     probe_wait_s = sync_overhead_s if world > 1 and not comm.holds_sync_wait else 0.0
-    side_by_side = kernels_side_by_side(facts, world)
-    slowest_wait_s = float(side_by_side["slowest_wait_s"]) if side_by_side and spec.traits.synchronous else 0.0
-    sync_s = max(probe_wait_s, slowest_wait_s)
+    sync_s = max(probe_wait_s, case.kernel_slowest_wait_s if spec.traits.synchronous else 0.0)
     # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
     # Counted for DDP and FSDP too, whose probes hold the turn-taking of their own (tiny) compute only:
     # with the compute timed as kernels, CNN ddp x4 on 2 cores went from -63% to -33% and the MLP's from

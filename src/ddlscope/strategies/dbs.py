@@ -46,7 +46,7 @@ class DBS(DDP):
         if self.batch_sizes is None:  # the first split: equal unless batch_split says otherwise
             self.batch_sizes = split_batch(self.global_batch, [1.0] * ctx.workers)
         self._step_compute_s: list[float] = []  # since the last split: this worker's forward + backward
-        self._earlier: tuple[int, float] | None = None  # (batch, mean compute s) of an earlier, different batch
+        self._earlier: tuple[int, float] | None = None  # (batch, median compute s) of an earlier, different batch
         self._timer: Any = None
         self._warm_up = 2  # this process's first steps pay one-off costs (DDP's buckets, lazy init): not speed
 

@@ -48,6 +48,7 @@ class LocalCase:
     optimizer_kind: str  # sgd, sgd-momentum, adamw
     per_tensor_s: float  # the optimizer's per-tensor overhead
     kernel_stretch: float | None = None  # the workload's kernels side by side over alone, where timed
+    kernel_slowest_wait_s: float = 0.0  # a synchronous step's wait for its slowest rank, from them
 
     @property
     def param_bytes(self) -> float:
