@@ -5,8 +5,10 @@ and the files go in rank order. Small synthetic runs (benchmarks/synthetic_rows.
 from __future__ import annotations
 
 import shutil
+from contextlib import closing
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,7 +108,7 @@ def test_a_torn_line_is_skipped_by_the_csv_reader_as_read_records_skips_it(small
 
 
 def _dump(db: Path) -> list[str]:
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:  # closed, not only committed: an open one holds the store
         return list(conn.iterdump())
 
 
@@ -153,3 +155,76 @@ def test_the_ingest_stores_what_read_records_reads(small_run, tmp_path):
         assert len(store.events(run_id)) == counts["event"] == sum(r["kind"] == "event" for r in expected)
         assert len(store.evals(run_id)) == counts["eval"] == STEPS // 50  # rank 0's, every 50 steps
         assert len(store.memory(run_id)) == 5 * 3 and counts["memory"] == 3
+
+
+_PARSED_AHEAD = rowfiles._parsed_ahead
+
+
+def _journal_modes_seen(monkeypatch, store: Store) -> list[str]:
+    """The store's journal mode as its connection sees it while each batch of an ingest goes in."""
+    seen: list[str] = []
+    parsed_ahead = _PARSED_AHEAD
+
+    def watched(*args, **kwargs):
+        for batch in parsed_ahead(*args, **kwargs):
+            seen.append(store.conn.execute("PRAGMA journal_mode").fetchone()[0])
+            yield batch
+
+    monkeypatch.setattr(rowfiles, "_parsed_ahead", watched)
+    return seen
+
+
+def test_a_large_ingest_writes_through_a_rollback_journal_and_leaves_the_store_in_wal(small_run, tmp_path,
+                                                                                     monkeypatch):
+    db, run_id, run_dir = small_run
+    shutil.copy(db, tmp_path / "wal.db")
+    shutil.copy(db, tmp_path / "large.db")
+    with Store(tmp_path / "wal.db") as store:
+        seen_small = _journal_modes_seen(monkeypatch, store)
+        ingest_run_dir(store, run_id, run_dir)
+    monkeypatch.setattr(rowfiles, "LARGE_INGEST_BYTES", 0)  # these few hundred KB count as large
+    with Store(tmp_path / "large.db") as store:
+        seen_large = _journal_modes_seen(monkeypatch, store)
+        ingest_run_dir(store, run_id, run_dir)
+        assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert store.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    assert set(seen_small) == {"wal"} and set(seen_large) == {"delete"}, (seen_small, seen_large)
+    assert _dump(tmp_path / "large.db") == _dump(tmp_path / "wal.db")  # the same rows, either way
+    assert _query(tmp_path / "large.db", "PRAGMA journal_mode") == [("wal",)]  # as a new connection finds it
+
+
+def test_a_large_ingest_stays_in_wal_at_once_while_another_connection_has_the_store_open(small_run, tmp_path,
+                                                                                         monkeypatch):
+    db, run_id, run_dir = small_run
+    shutil.copy(db, tmp_path / "s.db")
+    monkeypatch.setattr(rowfiles, "LARGE_INGEST_BYTES", 0)
+    with Store(tmp_path / "s.db") as reader, Store(tmp_path / "s.db", busy_timeout_s=20) as store:
+        assert reader.list_runs()  # a reader in WAL: leaving WAL would need the store to itself
+        seen = _journal_modes_seen(monkeypatch, store)
+        began = time.monotonic()
+        counts = ingest_run_dir(store, run_id, run_dir)
+        assert time.monotonic() - began < 10  # it did not wait out the busy timeout for the switch
+        assert set(seen) == {"wal"} and counts["step"] == 3 * STEPS
+        assert reader.count_steps(run_id) == 3 * STEPS
+
+
+def test_a_large_ingest_that_fails_part_way_leaves_the_store_as_it_was_and_in_wal(tmp_path, monkeypatch):
+    db = tmp_path / "s.db"
+    run_id, run_dir = write_synthetic_run(db, Shape(3, 20, seed=1), name="bad")
+    with open(rowfiles.rank_file(run_dir, 2), "a") as f:
+        f.write('{"kind":"memory","rank":2}\n')  # malformed: no "bytes"; rank 2 goes last
+    monkeypatch.setattr(rowfiles, "PARSE_AHEAD", 0)
+    monkeypatch.setattr(rowfiles, "LARGE_INGEST_BYTES", 0)
+    before = _dump(db)
+    with Store(db) as store:
+        seen = _journal_modes_seen(monkeypatch, store)
+        with pytest.raises(KeyError):
+            ingest_run_dir(store, run_id, run_dir)
+        assert "delete" in seen and store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert _dump(db) == before
+    assert not Path(f"{db}-journal").exists()
+
+
+def _query(db: Path, sql: str) -> list[tuple]:
+    with closing(sqlite3.connect(db)) as conn:
+        return conn.execute(sql).fetchall()

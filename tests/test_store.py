@@ -101,3 +101,15 @@ def test_scaling_table_grows_phases_relative_to_the_smallest_world(tmp_path):
     assert [r.world_size for r in rows] == [2, 4]
     assert rows[1].breakdown_growth["comm_wait_s"] == pytest.approx(2.0)
     assert rows[1].breakdown_growth["forward_s"] == pytest.approx(1.0)
+
+
+def test_a_store_left_in_rollback_mode_is_back_in_wal_when_next_opened(tmp_path):
+    """As a large ingest killed mid-way leaves it (see Store._bulk_load)."""
+    import sqlite3
+    from contextlib import closing
+
+    Store(tmp_path / "s.db").close()
+    with closing(sqlite3.connect(tmp_path / "s.db")) as conn:
+        assert conn.execute("PRAGMA journal_mode=DELETE").fetchone()[0] == "delete"
+    with Store(tmp_path / "s.db") as store:
+        assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

@@ -158,10 +158,12 @@ def test_sigkill_of_the_launcher_mid_run_loses_no_row_and_never_shows_finished(t
 INGEST = textwrap.dedent("""
     import sys
     from pathlib import Path
+    from ddlscope.runtime import rows
     from ddlscope.runtime.launcher import ingest_run_dir, run_dir_for
     from ddlscope.store import Store
 
     db, uuid = Path(sys.argv[1]), sys.argv[2]
+    rows.LARGE_INGEST_BYTES = int(sys.argv[3])
     store = Store(db)
     run_id = store.create_run(uuid=uuid, name="big", workload="mlp-digits", strategy="ddp", world_size=2,
                               config={}, code_version="test", seed=0, environment={})
@@ -172,19 +174,26 @@ INGEST = textwrap.dedent("""
 """)
 
 
+def _bytes_on_disk(db: Path) -> int:
+    return sum(path.stat().st_size for path in (db, Path(f"{db}-wal")) if path.exists())
+
+
+# The WAL path, and the rollback journal of a large ingest (Store._bulk_load): "large" from 0 bytes.
 @pytest.mark.timeout(240)
-def test_sigkill_mid_ingestion_leaves_a_sound_store_and_recovery_ingests_every_row(tmp_path):
+@pytest.mark.parametrize("journal, large_from_bytes", [("wal", 1 << 40), ("rollback", 0)])
+def test_sigkill_mid_ingestion_leaves_a_sound_store_and_recovery_ingests_every_row(tmp_path, journal,
+                                                                                    large_from_bytes):
     from ddlscope.runtime.launcher import run_dir_for
 
     db, uuid, steps = tmp_path / "big.db", "b" * 32, 100_000
     _write_rank_files(run_dir_for(db, uuid), 2, steps)
     script = tmp_path / "ingest.py"
     script.write_text(INGEST)
-    ingester = _spawn([str(script), str(db), uuid], tmp_path)
+    ingester = _spawn([str(script), str(db), uuid, str(large_from_bytes)], tmp_path)
     try:
-        wal = Path(f"{db}-wal")
-        # The transaction has begun and is spilling pages into the WAL: the ingest is under way.
-        _wait_for(lambda: wal.exists() and wal.stat().st_size > 4 << 20, 120, "the ingest to write 4 MiB", 0.02)
+        # The transaction has begun and is spilling pages (into the WAL, or into the store itself
+        # with the old ones in the rollback journal): the ingest is under way.
+        _wait_for(lambda: _bytes_on_disk(db) > 4 << 20, 120, "the ingest to write 4 MiB", 0.02)
         assert ingester.poll() is None, ingester.communicate()
         ingester.send_signal(signal.SIGKILL)
         ingester.communicate(timeout=30)
@@ -192,6 +201,8 @@ def test_sigkill_mid_ingestion_leaves_a_sound_store_and_recovery_ingests_every_r
         _kill_group(ingester)
     assert ingester.returncode == -signal.SIGKILL
 
+    if journal == "rollback":
+        assert Path(f"{db}-journal").exists()  # hot: the next connection rolls the insert back
     assert _integrity(db) == "ok"
     assert _query(db, "SELECT status FROM runs") == [("running",)]  # never finished
     assert _query(db, "SELECT COUNT(*) FROM steps") == [(0,)]  # one transaction: nothing half-written
@@ -202,6 +213,7 @@ def test_sigkill_mid_ingestion_leaves_a_sound_store_and_recovery_ingests_every_r
     assert _integrity(db) == "ok"
     assert _query(db, "SELECT status FROM runs") == [("failed",)]
     assert _query(db, "SELECT COUNT(*) FROM steps") == [(2 * steps,)]
+    assert _query(db, "PRAGMA journal_mode") == [("wal",)]
 
 
 # ---------------------------------------------------------------------------- a locked store

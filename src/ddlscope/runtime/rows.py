@@ -125,10 +125,23 @@ def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
     lines), parse them and make the inserts' parameter rows, up to PARSE_AHEAD files or chunks ahead
     of the inserts (pyarrow parses outside the GIL, and sqlite inserts release it), so parsing and
     inserting overlap on the cores and the inserting thread does little but insert; memory holds a
-    few chunks whatever the size of the run."""
-    return store.ingest_batches(run_id, _parsed_ahead(run_files(run_dir), run_id))
+    few chunks whatever the size of the run. Past LARGE_INGEST_BYTES of files the store may write the
+    rows through a rollback journal (Store._bulk_load says when and why)."""
+    files = run_files(run_dir)
+    large = sum(_size_bytes(path) for path in files) > LARGE_INGEST_BYTES
+    return store.ingest_batches(run_id, _parsed_ahead(files, run_id), large=large)
 
 
+def _size_bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # gone since it was listed: the reader says so, not the size
+        return 0
+
+
+# About 170,000 step rows, under half a second of inserts: below it the WAL's second write of each
+# page costs little, and other processes keep reading the store while the rows go in.
+LARGE_INGEST_BYTES = 64 << 20
 PARSERS = 2
 PARSE_AHEAD = 4
 CHUNK_BYTES = 8 << 20
