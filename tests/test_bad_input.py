@@ -390,3 +390,26 @@ def test_sql_values_are_parameters(workdir: Path, capsys):
     assert _runs(workdir / "s.db") == 5
     assert main(["runs", "--db", "s.db"]) == 0
     assert "DROP TABLE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("message, one_line", [("database is locked", True), ("no such table: steps", False)])
+def test_a_read_that_finds_the_store_locked_past_the_busy_timeout_is_one_line(message, one_line, capsys):
+    """Reads do not retry (only writes do, Store._retrying): one that a writer through a rollback journal (a
+    large ingest) kept waiting past sqlite's busy timeout ends in one line; any other sqlite error is a bug."""
+    import typer
+
+    from ddlscope.cli.common import run_app
+
+    app = typer.Typer()
+
+    @app.command()
+    def show() -> None:
+        raise sqlite3.OperationalError(message)
+
+    if not one_line:
+        with pytest.raises(sqlite3.OperationalError):
+            run_app(app, [])
+        return
+    assert run_app(app, []) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "locked by another process" in err and "Traceback" not in err

@@ -243,7 +243,7 @@ class Store:
                 try:
                     return attempt()
                 except sqlite3.OperationalError as exc:
-                    if not _is_busy(exc):
+                    if not is_busy(exc):
                         raise
                     if time.monotonic() - started >= self.lock_wait_s:
                         raise StoreError(
@@ -716,7 +716,8 @@ def _describe(path: Path, exc: sqlite3.Error) -> str:
     return f"store {path}: {message}"
 
 
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
+def is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether sqlite refused because another connection holds a lock (busy or locked)."""
     code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
     return code in (5, 6) or "locked" in str(exc) or "busy" in str(exc)  # SQLITE_BUSY, SQLITE_LOCKED
 

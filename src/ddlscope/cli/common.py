@@ -6,6 +6,7 @@ Command modules import from here and never from each other.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ import typer
 from rich.console import Console
 
 from ddlscope.specs import ConfigError
-from ddlscope.store import DEFAULT_DB, Store, StoreError
+from ddlscope.store import BUSY_TIMEOUT_ENV, DEFAULT_DB, Store, StoreError, is_busy
 
 __all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "check_local_ranks", "check_output_folder",
            "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters", "one_line",
@@ -92,6 +93,15 @@ def run_app(app: typer.Typer, argv: list[str] | None) -> int:
         result = app(args=argv, standalone_mode=False, prog_name="ddlscope")
     except (ConfigError, StoreError, UserError) as exc:
         print_error(str(exc))
+        return 2
+    except sqlite3.OperationalError as exc:
+        if not is_busy(exc):
+            raise
+        # A read that began while another process wrote through a rollback journal (a large ingest,
+        # Store._bulk_load) and outlasted sqlite's busy timeout: writes retry (Store._retrying), reads
+        # do not, so that nothing waits long on a store that stays locked.
+        print_error(f"the store stayed locked by another process past sqlite's busy timeout ({exc}): a large run "
+                    f"being ingested, or another writer; try again when it is done, or raise {BUSY_TIMEOUT_ENV}")
         return 2
     except TyperException as exc:  # usage errors: bad option, wrong type, missing argument
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
