@@ -36,7 +36,14 @@ MICRO_BATCHES = 4
 MAX_STRETCH = 1.3  # wall-clock compute over thread CPU time past which the machine is too busy to time a bubble
 
 
+# Recompute (workload.recompute) under a schedule and under tp: the same training, to the same tolerance.
+RECOMPUTED = ["1f1b+full", "interleaved+selective", "tp+full"]
+
+
 def _overrides(base: dict, schedule: str | None) -> dict:
+    if schedule is not None and "+" in schedule:
+        schedule, recompute = schedule.split("+")
+        base = {**base, "workload.recompute": recompute}
     if schedule is None:
         return {**base, "strategy.name": "single", "cluster.world_size": 1}
     if schedule == "tp":
@@ -50,7 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
     spawn_runs(out, WORLD, [(f"{kind}-{schedule}", _overrides(base, schedule), None)
                             for kind, base in (("equal", EQUAL), ("timed", TIMED))
-                            for schedule in ((*SCHEDULES, "tp") if kind == "equal" else SCHEDULES)])
+                            for schedule in ((*SCHEDULES, "tp", *RECOMPUTED) if kind == "equal" else SCHEDULES)])
     state, records = _train(_overrides(EQUAL, None), 0, 1, out / "single.jsonl")
     torch.save(state, out / "single.pt")
     (out / "single.json").write_text(json.dumps(records))
@@ -62,9 +69,10 @@ def _records(out: Path, name: str, kind: str) -> list[dict]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("schedule", [*SCHEDULES, "tp"])
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "tp", *RECOMPUTED])
 def test_every_schedule_trains_like_one_process(runs: Path, schedule: str):
-    """Every pipeline schedule, and tensor parallelism (`tp`), on the same batches as one process."""
+    """Every pipeline schedule, and tensor parallelism (`tp`), with and without recompute, on the same
+    batches as one process."""
     single, piped = torch.load(runs / "single.pt"), torch.load(runs / f"equal-{schedule}.pt")
     assert list(piped) == list(single)  # the whole model, under the single-process names, in order
     initial = WORKLOADS.get("gpt-synthetic").build(load_experiment(None, _overrides(EQUAL, None)).workload, 5)

@@ -6,9 +6,10 @@ per-rank batch under torch.utils.flop_counter.FlopCounterMode, on a copy of
 the model on the meta device, so training is unaffected.
 
 Model FLOPs are what the algorithm needs; hardware FLOPs add what the
-implementation recomputes (activation checkpointing). ddlscope's strategies
-recompute nothing, so hardware FLOPs equal model FLOPs; both are recorded so
-the distinction stays explicit.
+implementation recomputes (activation checkpointing: `workload.recompute`,
+counted as the step runs it). Without recompute they are equal; both are
+recorded so the distinction stays explicit. (A pipeline's per-stage
+`strategy.recompute` is applied after the count and not in it.)
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from ddlscope.workloads.base import LossFn
 @dataclass(frozen=True)
 class StepFlops:
     model_flops: int  # forward + backward of one per-rank batch
-    hardware_flops: int  # model FLOPs + recomputation (none in ddlscope's strategies)
+    hardware_flops: int  # model FLOPs + recomputation (workload.recompute)
     per_rank_batch: int
     counted_on: str  # "meta" or the device the copy ran on
 
     @classmethod
     def from_profile(cls, profile: StepProfile) -> "StepFlops":
-        return cls(model_flops=profile.flops, hardware_flops=profile.flops, per_rank_batch=profile.batch,
+        return cls(model_flops=profile.flops, hardware_flops=profile.hardware_flops, per_rank_batch=profile.batch,
                    counted_on=profile.counted_on)
 
 

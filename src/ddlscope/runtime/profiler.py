@@ -19,6 +19,9 @@ Two passes, because they need different tensors:
    flash attention), with forward hooks on nn.Linear and saved-tensor hooks
    for the activations autograd keeps. A model with an op that has no meta
    kernel is counted on a real copy instead, with the RNG state put back.
+   FLOPs and GEMMs are counted with recompute (workload.recompute) off: the
+   model's own; a model that recomputes is counted again as it runs, for its
+   hardware FLOPs and the activations it keeps.
 2. Ops (`count_ops=True`): on a real copy, under a dispatch mode that counts
    every op, the shape of every matmul and the bytes every other op reads and
    writes. Real tensors because meta kernels dispatch slightly different ops
@@ -37,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ddlscope.workloads.recompute import recompute_off
 
 from ddlscope.strategies.units import wrap_units
 from ddlscope.workloads.base import Dataset, LossFn, Task
@@ -80,9 +85,10 @@ class StepProfile:
 
     batch: int
     flops: int  # forward + backward (FlopCounterMode): model FLOPs, nothing recomputed
+    hardware_flops: int  # what the step runs: model FLOPs plus the forwards recompute runs again
     counted_on: str  # "meta", or the device of the real copy pass 1 fell back to
     linear_gemms: tuple[tuple[int, int, int], ...]  # (m, n, k) of each nn.Linear forward, in call order
-    activation_bytes: int  # tensors autograd saves for backward, parameters excluded
+    activation_bytes: int  # tensors autograd saves for backward, parameters excluded (fewer under recompute)
     param_numel: tuple[int, ...]  # per parameter tensor, in model.parameters() order
     param_dim0: tuple[int, ...]  # each parameter's first dimension (1 for a scalar): what FSDP shards
     param_dtype: torch.dtype  # of the first parameter
@@ -129,13 +135,17 @@ def profile_task(task: Task, batch: int, *, count_ops: bool = False) -> StepProf
 
 def profile_step(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, *, count_ops: bool = False) -> StepProfile:
     """Profile forward + backward of `model` on (x, y); see the module docstring. `model` is left untouched."""
-    shapes = _shapes_pass(model, loss_fn, x, y)
+    with recompute_off() as asked:  # the model's own computation: model FLOPs, each GEMM once
+        shapes = _shapes_pass(model, loss_fn, x, y)
+    # A model that recomputes (workload.recompute) runs more than that and keeps less: counted as it runs.
+    as_run = _shapes_pass(model, loss_fn, x, y) if asked[0] else shapes
     params = list(model.parameters())
     units = wrap_units(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     return StepProfile(
-        batch=len(x), flops=shapes.flops, counted_on=shapes.counted_on, linear_gemms=tuple(shapes.linear_gemms),
-        activation_bytes=shapes.activation_bytes,
+        batch=len(x), flops=shapes.flops, hardware_flops=as_run.flops, counted_on=shapes.counted_on,
+        linear_gemms=tuple(shapes.linear_gemms),
+        activation_bytes=as_run.activation_bytes,
         param_numel=tuple(p.numel() for p in params), param_dim0=tuple(p.shape[0] if p.dim() else 1 for p in params),
         param_dtype=params[0].dtype if params else torch.float32,
         param_bytes=sum(p.numel() * p.element_size() for p in params),

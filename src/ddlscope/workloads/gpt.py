@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ddlscope.workloads.recompute import Recompute, recomputed
+
 INIT_STD = 0.02  # GPT-2's initialisation scale
 
 
@@ -29,6 +31,7 @@ class GPTConfig:
     heads: int
     mlp_ratio: int = 4
     dropout: float = 0.0
+    recompute: Recompute = "none"  # workloads/recompute.py
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -40,20 +43,25 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.heads = cfg.heads
         self.dropout = cfg.dropout
+        self.recompute_core = cfg.recompute == "selective"
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.qkv(x)
+        y = recomputed(self._core, qkv) if self.recompute_core else self._core(qkv)
+        return self.resid_dropout(self.proj(y))
+
+    def _core(self, qkv: Tensor) -> Tensor:
+        """q, k, v -> the heads' outputs side by side (B, T, C)."""
         # Widths from qkv's output, not from x: under tensor parallelism a rank computes only its
         # `heads` (set to heads / t) and qkv gives 3 C / t columns.
         batch, seq, width = qkv.shape
         # (B, T, 3C) -> three (B, heads, T, head_dim) tensors
         q, k, v = qkv.view(batch, seq, 3, self.heads, width // (3 * self.heads)).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(batch, seq, width // 3)
-        return self.resid_dropout(self.proj(y))
+        return y.transpose(1, 2).reshape(batch, seq, width // 3)
 
 
 class MLP(nn.Module):
@@ -74,8 +82,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_mlp = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg)
+        self.recompute_all = cfg.recompute == "full"
 
     def forward(self, x: Tensor) -> Tensor:
+        return recomputed(self._forward, x) if self.recompute_all else self._forward(x)
+
+    def _forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_attn(x))
         return x + self.mlp(self.ln_mlp(x))
 

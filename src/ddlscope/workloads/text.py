@@ -23,6 +23,7 @@ from ddlscope.specs import WorkloadSpec, remember_spec_class
 from ddlscope.workloads import WORKLOADS
 from ddlscope.workloads.base import Task, TensorDataset, Workload, cross_entropy
 from ddlscope.workloads.gpt import GPT, GPTConfig
+from ddlscope.workloads.recompute import RECOMPUTE_HELP, Recompute
 
 CORPUS_RESOURCE = "data/shakespeare.txt.gz"
 TRAIN_FRACTION = 0.9
@@ -41,6 +42,7 @@ class GPTSpec(WorkloadSpec):
     heads: int = Field(4, ge=1, description="attention heads; must divide hidden")
     seq_len: int = Field(64, ge=1, description="tokens per training sequence (context length)")
     dropout: float = Field(0.0, ge=0, lt=1)
+    recompute: Recompute = Field("none", description=RECOMPUTE_HELP)
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> "GPTSpec":
@@ -58,6 +60,7 @@ class GPTSpec(WorkloadSpec):
             hidden=self.hidden,
             heads=self.heads,
             dropout=self.dropout,
+            recompute=self.recompute,
         )
 
 

@@ -49,6 +49,7 @@ from torch.nn import functional as F
 from ddlscope.specs import WorkloadSpec, remember_spec_class
 from ddlscope.workloads import WORKLOADS
 from ddlscope.workloads.base import Task, Workload, cross_entropy
+from ddlscope.workloads.recompute import RECOMPUTE_HELP, BlockRecompute, through_blocks
 
 NUM_CLASSES = 10
 CACHE_DIR_ENV = "DDLSCOPE_CACHE_DIR"  # where generated data sets are kept between runs
@@ -87,8 +88,9 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     """CIFAR ResNet: 3x3 stem (no max-pool), 4 stages of `blocks` basic blocks each (ResNet-18: 2)."""
 
-    def __init__(self, width: int, blocks: int, num_classes: int = NUM_CLASSES):
+    def __init__(self, width: int, blocks: int, num_classes: int = NUM_CLASSES, recompute: str = "none"):
         super().__init__()
+        self.recompute = recompute
         self.stem = nn.Sequential(nn.Conv2d(CHANNELS, width, 3, padding=1, bias=False), _norm(width), nn.ReLU())
         units: list[nn.Module] = []
         c_in = width
@@ -101,9 +103,7 @@ class ResNet(nn.Module):
         self.head = nn.Linear(c_in, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
+        x = through_blocks(self.blocks, self.stem(x), self.recompute)
         return self.head(x.mean(dim=(2, 3)))  # global average pool
 
 
@@ -122,8 +122,9 @@ class VGG(nn.Module):
     """VGG's conv stack for 32x32 inputs (five pools: 32 -> 1), then one linear layer, as CIFAR
     VGGs do (no 4096-wide classifier). Each conv (with the pool after it) is one unit."""
 
-    def __init__(self, depth: int, width: int, num_classes: int = NUM_CLASSES):
+    def __init__(self, depth: int, width: int, num_classes: int = NUM_CLASSES, recompute: str = "none"):
         super().__init__()
+        self.recompute = recompute
         units: list[nn.Module] = []
         c_in = CHANNELS
         config = VGG_CONFIGS[depth]
@@ -140,8 +141,7 @@ class VGG(nn.Module):
         self.head = nn.Linear(c_in, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            x = block(x)
+        x = through_blocks(self.blocks, x, self.recompute)
         return self.head(x.flatten(1))  # 1x1 after five pools
 
 
@@ -172,8 +172,9 @@ class ConvNeXt(nn.Module):
     width w, 2w, 4w, 8w, each later stage entered by norm + 2x2 stride-2 conv (16 -> 8 -> 4 -> 2),
     global average pool, norm, linear. Downsampling layers join the block after them as one unit."""
 
-    def __init__(self, width: int, depth: int, num_classes: int = NUM_CLASSES):
+    def __init__(self, width: int, depth: int, num_classes: int = NUM_CLASSES, recompute: str = "none"):
         super().__init__()
+        self.recompute = recompute
         self.stem = nn.Sequential(nn.Conv2d(CHANNELS, width, 2, stride=2), nn.GroupNorm(1, width))
         units: list[nn.Module] = []
         c_in = width
@@ -189,9 +190,7 @@ class ConvNeXt(nn.Module):
         self.head = nn.Linear(c_in, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
+        x = through_blocks(self.blocks, self.stem(x), self.recompute)
         return self.head(self.head_norm(x.mean(dim=(2, 3))))
 
 
@@ -381,6 +380,7 @@ class VisionSpec(WorkloadSpec):
     lr: float = Field(2e-3, gt=0, description="learning rate")
     samples: int = Field(10_000, ge=10, le=200_000, description="training images generated from the seed")
     test_samples: int = Field(2_000, ge=10, le=100_000, description="test images generated from the seed")
+    recompute: BlockRecompute = Field("none", description=RECOMPUTE_HELP)
 
 
 class ResnetCifarSpec(VisionSpec):
@@ -430,7 +430,7 @@ class ResnetCifar(_VisionWorkload):
 
     @staticmethod
     def network(spec: ResnetCifarSpec) -> nn.Module:
-        return ResNet(spec.width, spec.blocks)
+        return ResNet(spec.width, spec.blocks, recompute=spec.recompute)
 
 
 @WORKLOADS.register("vgg-cifar")
@@ -440,7 +440,7 @@ class VggCifar(_VisionWorkload):
 
     @staticmethod
     def network(spec: VggCifarSpec) -> nn.Module:
-        return VGG(spec.depth, spec.width)
+        return VGG(spec.depth, spec.width, recompute=spec.recompute)
 
 
 @WORKLOADS.register("convnext-cifar")
@@ -450,4 +450,4 @@ class ConvnextCifar(_VisionWorkload):
 
     @staticmethod
     def network(spec: ConvnextCifarSpec) -> nn.Module:
-        return ConvNeXt(spec.width, spec.depth)
+        return ConvNeXt(spec.width, spec.depth, recompute=spec.recompute)
