@@ -11,7 +11,8 @@ import pytest
 
 from ddlscope.predict.partition import bubble_fraction, plan_of_cuts
 from ddlscope.studies.base import CellResult
-from ddlscope.studies.modelparallel import CAP_BYTES, MEMORY_MICRO_BATCHES, ModelParallelStudy, memory_plan
+from ddlscope.studies.modelparallel import (
+    CAP_BYTES, MEMORY_MICRO_BATCHES, ModelParallelStudy, memory_plan, recompute_formulas)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,11 @@ def cells():
 def test_quick_cells(cells):
     keys = [c.key for c in cells]
     assert keys == ["pp/gpipe/m4", "pp/1f1b/m4", "pp/1f1b/m8", "pp/interleaved/m4/v2", "pp/zero-bubble/m4/v2",
-                    "pp/1f1b/m4/recompute", "tp/t2", "single", "memory/balanced", "memory/equal"]
+                    "pp/1f1b/m4/recompute", "tp/t2", "single", "recompute/selective", "recompute/full",
+                    "memory/balanced", "memory/equal"]
+    recomputing = {c.key: c.experiment for c in cells if c.labels["part"] == "recompute"}
+    assert {k: (e.workload.recompute, e.strategy.name, e.cluster.world_size) for k, e in recomputing.items()} == \
+        {"recompute/selective": ("selective", "single", 1), "recompute/full": ("full", "single", 1)}
     assert all(c.experiment.cluster.world_size == 2 and c.experiment.strategy.name == "pipeline"
                for c in cells if c.key.startswith(("pp/", "memory/")))
     assert [c.experiment.strategy.name for c in cells if c.labels["part"] in ("tp", "reference")] == ["tp", "single"]
@@ -43,8 +48,13 @@ def _summary(compute_s: float, idle_s: float, peak0: int, step_s: float, memory:
     return SimpleNamespace(breakdown_mean_s_by_rank=ranks, memory_bytes_by_rank=mem, mean_step_s=step_s, notes=[])
 
 
-def _results(cells, bubble_scale: float = 1.0) -> list[CellResult]:
+KEPT_PLAIN = 100 * 2**20  # the one-process cell's activations in these made-up summaries
+
+
+def _results(cells, bubble_scale: float = 1.0, kept_scale: float = 1.0) -> list[CellResult]:
     plan = memory_plan()
+    kept, cost = recompute_formulas(KEPT_PLAIN)
+    kept, cost = {"none": KEPT_PLAIN, **kept}, {"none": 0.0, **cost}
     out = []
     for cell in cells:
         labels = cell.labels
@@ -53,8 +63,10 @@ def _results(cells, bubble_scale: float = 1.0) -> list[CellResult]:
             peak = 100 * (labels["m"] if labels["schedule"] == "gpipe" else 2)
             compute = 1.3 if labels["recompute"] else 1.0
             summary = _summary(compute, compute * fraction * bubble_scale, peak, compute * (1 + fraction))
-        elif labels["part"] in ("tp", "reference"):
-            summary = _summary(1.0, 0.0, 0, 1.0, {rank: {"activations": 1000} for rank in range(2)})
+        elif labels["part"] in ("tp", "reference", "recompute"):
+            mode = labels.get("recompute", "none")
+            activations = kept[mode] * (kept_scale if mode == "full" else 1.0)
+            summary = _summary(1.0 + cost[mode], 0.0, 0, 1.0, {rank: {"activations": activations} for rank in range(2)})
         else:
             cuts = plan.balanced_cuts if labels["partition"] == "balanced" else plan.equal_cuts
             stages = plan_of_cuts(plan.layers, cuts, MEMORY_MICRO_BATCHES, "1f1b", None, plan.state_factor).stages
@@ -72,6 +84,12 @@ def test_verdicts_follow_the_measurements(cells):
     assert verdicts[f"Largest micro-batch under {CAP_BYTES // 2**20} MiB per stage"] == "balanced fits, equal does not"
     recompute = next(h for h in findings.headlines if h["headline"] == "Recompute, stage 0")
     assert recompute["measured"].startswith("compute +30%")
+    workload_recompute = next(h for h in findings.headlines if h["headline"].startswith("Activation recompute"))
+    assert workload_recompute["verdict"] == "kept activations within 0.0%"
+    assert "full" in workload_recompute["measured"] and "compute +" in workload_recompute["predicted"]
+    off = ModelParallelStudy().analyse(_results(cells, kept_scale=1.1), quick=True)
+    assert next(h["verdict"] for h in off.headlines if h["headline"].startswith("Activation recompute")) == \
+        "kept activations within 10.0%"
     # twice the idle time: outside the band, by 100%
     worse = ModelParallelStudy().analyse(_results(cells, bubble_scale=2.0), quick=True)
     assert next(h["verdict"] for h in worse.headlines if h["headline"] == "Pipeline bubble") == \

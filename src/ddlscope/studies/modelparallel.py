@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import torch
+
 from ddlscope.predict.partition import Layer, bubble_fraction, partition, plan_of_cuts
 from ddlscope.predict.schedule_sim import Action, simulate, single_stage_orders
 from ddlscope.runtime.config import load_experiment
@@ -27,10 +29,13 @@ from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell,
 from ddlscope.studies.partition import layer_costs, largest_micro_batch, scaled, state_bytes_per_param_byte
 
 WORLD = 2  # stages: one rank per core here
-TIMED = {"name": "gpt-synthetic", "layers": 4, "hidden": 192, "heads": 4, "seq_len": 64, "batch_size": 32,
-         "steps": 6, "optimizer": "sgd", "lr": 0.05, "eval_batches": 1}
+# Large enough that compute dominates the sends and waits (~0.5 s of forward and backward a micro-batch
+# at m 4 on an idle core): at hidden 192 and seq 64 the waits alone put interleaved 2x over its bubble
+# formula (docs/modelparallel.md).
+TIMED = {"name": "gpt-synthetic", "layers": 4, "hidden": 512, "heads": 4, "seq_len": 128, "batch_size": 32,
+         "steps": 4, "optimizer": "sgd", "lr": 0.05, "eval_batches": 1}
 # The memory pair: a deeper, narrower GPT whose blocks dominate memory, and a cap between its partitions.
-MEMORY = {**TIMED, "layers": 6, "hidden": 128, "batch_size": 16, "steps": 3}
+MEMORY = {**TIMED, "layers": 6, "hidden": 128, "seq_len": 64, "batch_size": 16, "steps": 3}
 CAP_BYTES = 32 * 2**20
 MEMORY_MICRO_BATCHES = 4
 STATE_PARTS = ("parameters", "gradients", "optimizer", "activations_peak")
@@ -54,6 +59,15 @@ def tp_cells() -> list[Cell]:
     tp["strategy"] = {"name": "tp"}
     single = {**_raw(TIMED, {}), "strategy": {"name": "single"}, "cluster": {"world_size": 1}}
     return [build_cell("tp/t2", {"part": "tp"}, tp), build_cell("single", {"part": "reference"}, single)]
+
+
+def recompute_cells() -> list[Cell]:
+    """The `single` cell's GPT in one process under selective and full recompute (workload.recompute):
+    what each keeps and costs against that cell, which recomputes nothing."""
+    return [build_cell(f"recompute/{mode}", {"part": "recompute", "recompute": mode},
+                       {**_raw({**TIMED, "recompute": mode}, {}), "strategy": {"name": "single"},
+                        "cluster": {"world_size": 1}})
+            for mode in ("selective", "full")]
 
 
 def memory_cells() -> list[Cell]:
@@ -113,7 +127,7 @@ class ModelParallelStudy(Study):
             cells = [schedule_cell(s, m) for s in ("gpipe", "1f1b") for m in (2, 4, 8, 16)]
             cells += [schedule_cell(s, m, 2) for s in ("interleaved", "zero-bubble") for m in (4, 8)]
             cells += [schedule_cell("1f1b", 4, recompute=[0]), schedule_cell("1f1b", 4, recompute=[0, 1])]
-        return cells + tp_cells() + memory_cells()
+        return cells + tp_cells() + recompute_cells() + memory_cells()
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
         return _Analysis(results).findings()
@@ -156,7 +170,7 @@ class _Analysis:
     # ------------------------------------------------------------------ findings
     def findings(self) -> Findings:
         headlines = [h for h in (self._bubble(), self._step(), self._in_flight(), self._recompute(),
-                                 self._tp_activations(), self._memory()) if h]
+                                 self._tp_activations(), self._workload_recompute(), self._memory()) if h]
         decisions = self._decisions()
         notes = measurement_notes(self.results) + [
             "The bubble is measured as the busiest stage's idle time (waits for its sends and receives, which "
@@ -241,6 +255,24 @@ class _Analysis:
                 "measured": f"{_mibs(measured)} MiB (one process {single / 2**20:.1f})",
                 "predicted": f"{predicted / 2**20:.1f} MiB", "verdict": f"within {error:.1%}"}
 
+    def _workload_recompute(self) -> dict[str, str] | None:
+        cells = {r.cell.labels.get("recompute", "none"): r for r in self.results
+                 if r.cell.labels["part"] in ("recompute", "reference")}
+        if set(cells) != {"none", "selective", "full"}:
+            return None
+        kept = {mode: r.summary.memory_bytes_by_rank[0]["activations"] for mode, r in cells.items()}
+        cpu = {mode: r.summary.breakdown_mean_s_by_rank[0]["compute_cpu_s"] for mode, r in cells.items()}
+        predicted_kept, predicted_cost = recompute_formulas(kept["none"])
+        error = max(abs(kept[mode] / predicted_kept[mode] - 1) for mode in ("selective", "full"))
+        return {"headline": "Activation recompute (workload.recompute, one process)",
+                "paper": "full keeps each block's input, 2 s b h bytes in 16-bit (Korthikanti et al. 2022), "
+                         "for one more forward",
+                "measured": ", ".join(f"{mode} {kept[mode] / 2**20:.1f} MiB, compute {cpu[mode] / cpu['none'] - 1:+.0%}"
+                                      for mode in ("none", "selective", "full")),
+                "predicted": ", ".join(f"{mode} {predicted_kept[mode] / 2**20:.1f} MiB, compute "
+                                       f"{predicted_cost[mode]:+.0%}" for mode in ("selective", "full")),
+                "verdict": f"kept activations within {error:.1%}"}
+
     def _memory(self) -> dict[str, str] | None:
         cells = {r.cell.labels["partition"]: r for r in self.results if r.cell.labels["part"] == "memory"}
         if set(cells) != {"balanced", "equal"}:
@@ -273,6 +305,32 @@ class _Analysis:
             out.append(f"Interleaving (v = 2) measured a bubble of {m4['interleaved']['measured_bubble']:.3f} "
                        f"against 1F1B's {m4['1f1b']['measured_bubble']:.3f}, for twice the sends.")
         return out
+
+
+def recompute_formulas(kept_plain_bytes: float) -> tuple[dict[str, float], dict[str, float]]:
+    """What the study's GPT keeps and computes more under selective and full recompute, from what it keeps
+    without: per block (fp32, no dropout, fused attention; exact in tests/test_recompute.py) 16 s b h
+    floats, the attention's log-sum-exp (b a s floats) and two norms' mean and 1/std (4 b s floats);
+    selective drops the log-sum-exp, full all of it but the block's input (s b h floats). Compute: the
+    hardware FLOPs the profiler counts as the step runs them, over the model FLOPs."""
+    from ddlscope.runtime.profiler import profile_step
+    from ddlscope.workloads import WORKLOADS
+
+    s, b, h, a, layers = TIMED["seq_len"], TIMED["batch_size"], TIMED["hidden"], TIMED["heads"], TIMED["layers"]
+    float_bytes = 4
+    log_sum_exp = b * a * s * float_bytes
+    block = 16 * s * b * h * float_bytes + log_sum_exp + 4 * b * s * float_bytes
+    kept = {"selective": kept_plain_bytes - layers * log_sum_exp,
+            "full": kept_plain_bytes - layers * (block - s * b * h * float_bytes)}
+    cost = {}
+    for mode in ("selective", "full"):
+        exp = load_experiment(None, {**{f"workload.{k}": v for k, v in TIMED.items()}, "workload.recompute": mode,
+                                     "cluster.world_size": 1})
+        task = WORKLOADS.get(exp.workload.name).build(exp.workload, 0)
+        x, y = task.train.get(torch.arange(b))
+        profile = profile_step(task.model, task.loss_fn, x, y)
+        cost[mode] = profile.hardware_flops / profile.flops - 1
+    return kept, cost
 
 
 def _stretch(rows: list[dict[str, Any]]) -> float:
