@@ -340,7 +340,7 @@ class Store:
         A `large` insert also leaves the WAL for a rollback journal while it runs, if no other
         connection has the store open (leaving WAL needs the store to itself; otherwise it stays in
         WAL, as fast as before). In WAL every new page is written twice, to the WAL and then by the
-        commit's checkpoint into the store (a third of the ingest's time at 10 million rows); with a
+        commit's checkpoint into the store (rows/s +25% without it at 10 million rows, docs/scale.md); with a
         rollback journal a new page is written once and the journal keeps only the few old pages the
         insert changes, so a crash or an error still rolls the whole insert back. The cost: other
         processes that open the store meanwhile wait for the insert's commit (their busy timeout)
