@@ -41,10 +41,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ddlscope.workloads.recompute import recompute_off
-
 from ddlscope.strategies.units import wrap_units
 from ddlscope.workloads.base import Dataset, LossFn, Task
+from ddlscope.workloads.recompute import recompute_off
 
 MATMUL_OPS = ("mm", "addmm", "bmm")
 CONV_OPS = ("convolution", "convolution_backward")
