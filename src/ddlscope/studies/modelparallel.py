@@ -23,6 +23,7 @@ import torch
 from ddlscope.predict.partition import Layer, bubble_fraction, partition, plan_of_cuts
 from ddlscope.predict.schedule_sim import Action, simulate, single_stage_orders
 from ddlscope.runtime.config import load_experiment
+from ddlscope.specs import Experiment
 from ddlscope.specs.strategies.pipeline import PipelineSpec, stage_ranges
 from ddlscope.studies import STUDIES
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes
@@ -96,7 +97,7 @@ class MemoryPlan:
 @lru_cache(maxsize=1)
 def memory_plan() -> MemoryPlan:
     """The memory pair's partitions from a profile of its model (once per process)."""
-    exp = load_experiment(None, {**{f"workload.{k}": v for k, v in MEMORY.items()}, "cluster.world_size": 1})
+    exp = _one_process(MEMORY)
     profiled_at = MEMORY["batch_size"] // MEMORY_MICRO_BATCHES
     layers = layer_costs(exp, profiled_at)
     factor = state_bytes_per_param_byte(exp)
@@ -315,24 +316,30 @@ def recompute_formulas(kept_plain_bytes: float) -> tuple[dict[str, float], dict[
     floats, the attention's log-sum-exp (b a s floats) and two norms' mean and 1/std (4 b s floats);
     selective drops the log-sum-exp, full all of it but the block's input (s b h floats). Compute: the
     hardware FLOPs the profiler counts as the step runs them, over the model FLOPs."""
-    from ddlscope.runtime.profiler import profile_step
-    from ddlscope.workloads import WORKLOADS
-
     s, b, h, a, layers = TIMED["seq_len"], TIMED["batch_size"], TIMED["hidden"], TIMED["heads"], TIMED["layers"]
     float_bytes = 4
     log_sum_exp = b * a * s * float_bytes
     block = 16 * s * b * h * float_bytes + log_sum_exp + 4 * b * s * float_bytes
     kept = {"selective": kept_plain_bytes - layers * log_sum_exp,
             "full": kept_plain_bytes - layers * (block - s * b * h * float_bytes)}
+    return kept, _recompute_flop_cost()
+
+
+@lru_cache(maxsize=1)
+def _recompute_flop_cost() -> dict[str, float]:
+    """Hardware over model FLOPs - 1 of the study's GPT under selective and full recompute (once per process:
+    it depends on TIMED only)."""
+    from ddlscope.runtime.profiler import profile_step
+    from ddlscope.workloads import WORKLOADS
+
     cost = {}
     for mode in ("selective", "full"):
-        exp = load_experiment(None, {**{f"workload.{k}": v for k, v in TIMED.items()}, "workload.recompute": mode,
-                                     "cluster.world_size": 1})
+        exp = _one_process({**TIMED, "recompute": mode})
         task = WORKLOADS.get(exp.workload.name).build(exp.workload, 0)
-        x, y = task.train.get(torch.arange(b))
+        x, y = task.train.get(torch.arange(exp.workload.batch_size))
         profile = profile_step(task.model, task.loss_fn, x, y)
         cost[mode] = profile.hardware_flops / profile.flops - 1
-    return kept, cost
+    return cost
 
 
 def _stretch(rows: list[dict[str, Any]]) -> float:
@@ -350,8 +357,12 @@ def _mibs(values: list[float]) -> str:
 
 @lru_cache(maxsize=8)
 def _profile(micro_batch: int) -> list[Layer]:
-    exp = load_experiment(None, {**{f"workload.{k}": v for k, v in TIMED.items()}, "cluster.world_size": 1})
-    return layer_costs(exp, micro_batch)
+    return layer_costs(_one_process(TIMED), micro_batch)
+
+
+def _one_process(workload: dict[str, Any]) -> Experiment:
+    """The experiment of `workload` (a dict of workload knobs) on one rank."""
+    return load_experiment(None, {**{f"workload.{k}": v for k, v in workload.items()}, "cluster.world_size": 1})
 
 
 def _orders(schedule: str, ranks: int, micro_batches: int, chunks: int) -> list[list[Action]]:
