@@ -4,6 +4,7 @@ and the files go in rank order. Small synthetic runs (benchmarks/synthetic_rows.
 
 from __future__ import annotations
 
+import os
 import shutil
 from contextlib import closing
 import sqlite3
@@ -223,6 +224,30 @@ def test_a_large_ingest_that_fails_part_way_leaves_the_store_as_it_was_and_in_wa
         assert "delete" in seen and store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert _dump(db) == before
     assert not Path(f"{db}-journal").exists()
+
+
+def test_a_large_ingest_parses_in_other_processes_and_an_error_there_rolls_it_back(small_run, tmp_path,
+                                                                                  monkeypatch):
+    """Processes parse a large ingest (threads would share the inserting thread's GIL); an exception in
+    one reaches the ingest, which leaves the store as it was. The children are forked, so they run
+    the parser monkeypatched here."""
+    db, run_id, run_dir = small_run
+    shutil.copy(db, tmp_path / "s.db")
+    before = _dump(tmp_path / "s.db")
+    last = run_files(run_dir)[-1]
+    file_batches = rowfiles.file_batches
+
+    def failing_on_the_last_file(path):
+        if path == last:
+            raise RuntimeError(f"parsed in process {os.getpid()}")
+        return file_batches(path)
+
+    monkeypatch.setattr(rowfiles, "file_batches", failing_on_the_last_file)
+    monkeypatch.setattr(rowfiles, "LARGE_INGEST_BYTES", 0)
+    with Store(tmp_path / "s.db") as store, pytest.raises(RuntimeError, match="parsed in process") as failure:
+        ingest_run_dir(store, run_id, run_dir)
+    assert int(str(failure.value).split()[-1]) != os.getpid()
+    assert _dump(tmp_path / "s.db") == before
 
 
 def _query(db: Path, sql: str) -> list[tuple]:

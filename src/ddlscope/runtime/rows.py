@@ -9,10 +9,12 @@ process dying. The launcher ingests the files into SQLite keyed by
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
+import signal
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -125,11 +127,13 @@ def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
     lines), parse them and make the inserts' parameter rows, up to PARSE_AHEAD files or chunks ahead
     of the inserts (pyarrow parses outside the GIL, and sqlite inserts release it), so parsing and
     inserting overlap on the cores and the inserting thread does little but insert; memory holds a
-    few chunks whatever the size of the run. Past LARGE_INGEST_BYTES of files the store may write the
-    rows through a rollback journal (Store._bulk_load says when and why)."""
+    few chunks whatever the size of the run.
+
+    Past LARGE_INGEST_BYTES of files, processes parse instead (`_parse_pool`), and the store may write
+    the rows through a rollback journal (Store._bulk_load says when and why)."""
     files = run_files(run_dir)
     large = sum(_size_bytes(path) for path in files) > LARGE_INGEST_BYTES
-    return store.ingest_batches(run_id, _parsed_ahead(files, run_id), large=large)
+    return store.ingest_batches(run_id, _parsed_ahead(files, run_id, in_processes=large), large=large)
 
 
 def _size_bytes(path: Path) -> int:
@@ -143,6 +147,7 @@ def _size_bytes(path: Path) -> int:
 # page costs little, and other processes keep reading the store while the rows go in.
 LARGE_INGEST_BYTES = 64 << 20
 PARSERS = 2
+PARSE_PROCESSES = 2
 PARSE_AHEAD = 4
 CHUNK_BYTES = 8 << 20
 _STEP_SCHEMA_KEYS = ("rank", "step", *STEP_COLUMNS)
@@ -151,12 +156,15 @@ _INT_KEYS = {"rank", "step", "samples", "bytes_sent"}
 _OTHER_START = re.compile(rb'\n\{"kind":"(?:eval|memory|event|update)"')
 
 
-def _parsed_ahead(paths: list[Path], run_id: int) -> Iterator[RowBatch]:
-    """The files' batches in order, read and parsed on a pool of threads at most PARSE_AHEAD tasks ahead."""
-    with ThreadPoolExecutor(PARSERS, thread_name_prefix="ddlscope-parse") as pool:
+def _parsed_ahead(paths: list[Path], run_id: int, *, in_processes: bool = False) -> Iterator[RowBatch]:
+    """The files' batches in order, read and parsed on a pool (`_parse_pool`) at most PARSE_AHEAD tasks
+    ahead. Threads make the inserts' parameter rows too; processes hand back the step rows as a float
+    matrix, whose rows the inserting thread makes (a list of Python floats would cost more to pickle
+    and unpickle than to make from the matrix)."""
+    with _parse_pool(in_processes) as pool:
         pending: deque[Future[list[RowBatch]]] = deque()
         try:
-            for task in _parse_tasks(paths, run_id):
+            for task in _parse_tasks(paths, run_id, prepare=not in_processes):
                 pending.append(pool.submit(task))
                 if len(pending) > PARSE_AHEAD:
                     yield from pending.popleft().result()
@@ -167,23 +175,62 @@ def _parsed_ahead(paths: list[Path], run_id: int) -> Iterator[RowBatch]:
                 future.cancel()
 
 
-def _parse_tasks(paths: list[Path], run_id: int) -> Iterator[Callable[[], list[RowBatch]]]:
+def _parse_pool(in_processes: bool) -> Executor:
+    """Threads, or for a large ingest PARSE_PROCESSES processes.
+
+    Threads share one GIL with the inserting thread, and hold it for part of their work (the bytes'
+    translation, the parameter rows): at 10 million rows on 2 cores the inserting thread, which needs
+    about 11 s of CPU, then took 17-19 s (docs/scale.md). Processes hold their own GIL, so the inserting
+    thread waits for nothing but sqlite; the price, well under a second, is the processes' start and
+    the matrices coming back through a pipe, nothing beside a large ingest.
+
+    Forked where the platform forks, as torch's DataLoader does its workers: a spawned process would
+    import the caller's main script again, and a script that ingests without the `if __name__ ==
+    "__main__"` guard would then ingest again in each one. A fork copies only this thread, so the
+    children run nothing but the parsing functions, with the modules they use imported before."""
+    if not in_processes:
+        return ThreadPoolExecutor(PARSERS, thread_name_prefix="ddlscope-parse")
+    _import_parsers()  # in the parent, so that no child takes the import lock a parent thread may hold
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(PARSE_PROCESSES, mp_context=multiprocessing.get_context(method),
+                               initializer=_leave_interrupts_to_the_parent)
+
+
+def _leave_interrupts_to_the_parent() -> None:
+    """Ctrl-C reaches the whole process group: the ingest (the parent) stops and rolls back, and shuts
+    the pool down; a child that raised KeyboardInterrupt too would only print its own traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _import_parsers() -> None:
+    try:
+        import numpy  # noqa: F401
+        import pyarrow.compute  # noqa: F401
+        import pyarrow.csv  # noqa: F401
+        import pyarrow.json  # noqa: F401
+    except ImportError:  # the readers fall back to json.loads
+        pass
+
+
+def _parse_tasks(paths: list[Path], run_id: int, *, prepare: bool = True) -> Iterator[Callable[[], list[RowBatch]]]:
     """Work for the parsing threads, in order: a whole file up to CHUNK_BYTES (the thread reads it), or
-    a chunk of a larger file (read here, so that chunks split at line ends)."""
+    a chunk of a larger file (read here, so that chunks split at line ends). With `prepare`, the batches
+    come with their parameter rows made (RowBatch.prepare)."""
     for path in paths:
         if path.stat().st_size <= CHUNK_BYTES:
-            yield partial(_prepared_file, path, run_id)
+            yield partial(_parsed_file, path, run_id, prepare)
         else:
             for chunk in file_chunks(path):
-                yield partial(_prepared_chunk, chunk, run_id)
+                yield partial(_parsed_chunk, chunk, run_id, prepare)
 
 
-def _prepared_file(path: Path, run_id: int) -> list[RowBatch]:
-    return [batch.prepare(run_id) for batch in file_batches(path)]
+def _parsed_file(path: Path, run_id: int, prepare: bool) -> list[RowBatch]:
+    return [batch.prepare(run_id) if prepare else batch for batch in file_batches(path)]
 
 
-def _prepared_chunk(chunk: bytes, run_id: int) -> list[RowBatch]:
-    return [chunk_batch(chunk).prepare(run_id)]
+def _parsed_chunk(chunk: bytes, run_id: int, prepare: bool) -> list[RowBatch]:
+    batch = chunk_batch(chunk)
+    return [batch.prepare(run_id) if prepare else batch]
 
 
 def file_chunks(path: Path) -> Iterator[bytes]:
