@@ -313,3 +313,24 @@ def test_pipeline_sends_scatter_over_tp_and_regather_unless_sequence_parallel():
     assert plain.breakdown_s["pp_p2p"] == pytest.approx(16 * 2 * (send + gather), rel=1e-9)
     sp = predict(model, ParallelSpec(tp=8, pp=2, micro_batch=1, recompute="full", sequence_parallel=True), cluster)
     assert sp.breakdown_s["pp_p2p"] == pytest.approx(16 * 2 * send, rel=1e-9)
+
+
+def test_the_stack_range_reaches_from_the_fast_kernels_down_to_the_slowest_published_share():
+    cluster = parse_cluster("a100-80gb:8x8")
+    p = predict(GPT_13B, ParallelSpec(tp=2, dp=32, micro_batch=4, recompute="selective"), cluster)
+    share = load_catalogue().published_share_low
+    assert 0.5 < share < 0.7  # MPT-13B's 39.6% MFU against 67.5% predicted (benchmarks/published_runs.py)
+    assert p.stack_range["step_time_s"] == pytest.approx([p.range["step_time_s"][0], p.step_time_s / share])
+    assert p.stack_range["tflops_per_gpu"] == pytest.approx([p.tflops_per_gpu * share, p.range["tflops_per_gpu"][1]])
+    assert p.stack_range["mfu"] == pytest.approx([p.mfu * share, p.range["mfu"][1]])
+    assert p.to_dict()["stack_range"] == p.stack_range  # what `predict --json` prints
+
+
+def test_a_catalogue_without_validation_gives_no_stack_range():
+    import dataclasses
+
+    bare = dataclasses.replace(load_catalogue(), published_share_low=None)
+    from ddlscope.predict.catalogue import make_cluster
+
+    p = predict(GPT_13B, ParallelSpec(tp=2, dp=32, micro_batch=4), make_cluster("a100-80gb", 8, 8, bare))
+    assert p.range and p.stack_range == {}

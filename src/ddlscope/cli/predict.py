@@ -620,6 +620,10 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
     head.add_row("step time", f"{p.step_time_s:.4g} s" + (
         f"  (range {spread['step_time_s'][0]:.4g}-{spread['step_time_s'][1]:.4g} s: the kernel sources' spread)"
         if "step_time_s" in spread else ""))
+    stack = (getattr(p, "stack_range", None) or {}).get("step_time_s")
+    if stack:
+        head.add_row("", f"{stack[0]:.4g}-{stack[1]:.4g} s as published training stacks have run "
+                     "(docs/predict.md, Validation)")
     if hasattr(p, "images_per_s_per_gpu"):  # a CNN
         head.add_row("model", f"{p.model['name']} at {p.model['image_size']}x{p.model['image_size']}: "
                      f"{p.parameters:,} parameters, {p.forward_gmacs_per_sample:.3g} GMACs forward per image, "
@@ -676,5 +680,11 @@ def _print_plan(result: Any) -> None:
                       _with_range(p), f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}",
                       f"{p.memory_gb_per_gpu:.1f}", f"{p.cost_usd_per_step:.3g}")
     console.print(table)
+    stack = (getattr(result.rows[0].prediction, "stack_range", None) or {}).get("step_time_s")
+    if stack:
+        slower = stack[1] / result.rows[0].prediction.step_time_s
+        console.print(f"step s: the prediction (the kernel sources' spread); published training stacks have run up "
+                      f"to {slower:.2f}x slower than predicted (docs/predict.md, Validation)", markup=False,
+                      highlight=False)
     for r in result.rows:
         console.print(f"#{r.rank} {r.why}", markup=False, highlight=False)

@@ -124,6 +124,9 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     node: NodeShape
+    # The lowest share of a prediction's throughput a published training run reached (catalogue.toml
+    # [validation]): the slow end of the "stack range". None where nothing was validated (`local`).
+    published_share_low: float | None = None
 
     @property
     def n_gpus(self) -> int:
@@ -165,6 +168,7 @@ class Catalogue:
     devices: dict[str, Device]
     links: dict[str, Link]
     clusters: dict[str, dict[str, Any]]  # raw cluster tables; `cluster()` resolves them
+    published_share_low: float | None = None  # [validation]; see Cluster
 
 
 @cache
@@ -187,7 +191,16 @@ def catalogue_from_dict(raw: dict[str, Any]) -> Catalogue:
                     raise CatalogueError(f"cluster {key}: unknown {side} link {shape.get(side)!r}")
             if "host_link" in shape and shape["host_link"] not in links:
                 raise CatalogueError(f"cluster {key}: unknown host link {shape['host_link']!r}")
-    return Catalogue(devices, links, clusters)
+    return Catalogue(devices, links, clusters, _published_share_low(raw.get("validation", {})))
+
+
+def _published_share_low(validation: dict[str, Any]) -> float | None:
+    share = validation.get("published_share_low")
+    if share is None:
+        return None
+    if not 0.0 < float(share) <= 1.0:
+        raise CatalogueError(f"validation.published_share_low = {share}: must be in (0, 1]")
+    return float(share)
 
 
 def _device(key: str, d: dict[str, Any]) -> Device:
@@ -286,7 +299,7 @@ def make_cluster(name: str, nodes: int, gpus_per_node: int, catalogue: Catalogue
                      host_memory_bytes_per_s=float(shape.get("host_memory_gb_per_s", 0.0)) * GB,
                      host_link=catalogue.links[shape["host_link"]] if "host_link" in shape else None)
     return Cluster(name=name, device=catalogue.devices[raw["device"]], nodes=nodes, gpus_per_node=gpus_per_node,
-                   node=node)
+                   node=node, published_share_low=catalogue.published_share_low)
 
 
 def cluster_names() -> list[str]:

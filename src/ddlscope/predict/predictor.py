@@ -101,6 +101,7 @@ def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bo
     out = evaluate(model, cluster, configs)
     prediction = prediction_from_arrays(out, 0, model, parallel, cluster, spot)
     prediction.range = prediction_range(model, cluster, configs)
+    prediction.stack_range = stack_range(prediction, cluster)
     return prediction
 
 
@@ -112,6 +113,22 @@ def prediction_range(model: ModelSpec, cluster: Cluster, configs: ConfigArrays, 
     slow = evaluate(model, cluster.at_bound("low"), configs)
     fast = evaluate(model, cluster.at_bound("high"), configs)
     return {key: sorted([float(slow[key][i]), float(fast[key][i])]) for key in RANGE_KEYS}
+
+
+def stack_range(prediction: Prediction, cluster: Cluster) -> dict[str, list[float]]:
+    """[low, high] of the headline figures from the slowest published stack to the fastest kernels.
+
+    The fast end is `range`'s (every kernel at the fast end of its sources); the slow end is the
+    prediction's throughput times the lowest share of it a published training run reached
+    (`cluster.published_share_low`): how much slower than the sum of its kernels a real stack has run.
+    Empty where nothing was validated."""
+    share = cluster.published_share_low
+    if share is None or not prediction.range:
+        return {}
+    fast_step_s = prediction.range["step_time_s"][0]
+    return {"step_time_s": [fast_step_s, prediction.step_time_s / share],
+            "tflops_per_gpu": [prediction.tflops_per_gpu * share, prediction.range["tflops_per_gpu"][1]],
+            "mfu": [prediction.mfu * share, prediction.range["mfu"][1]]}
 
 
 # The lowest fraction tried: below it a GPU would do a tenth of its isolated GEMM rate, which no

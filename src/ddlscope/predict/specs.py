@@ -196,6 +196,10 @@ class Prediction:
     # [low, high] of step_time_s, tflops_per_gpu, mfu with every measured efficiency at the low and at
     # the high end of its published sources (catalogue.toml `*_range`); empty where not computed
     range: dict[str, list[float]] = field(default_factory=dict)
+    # [low, high] of the same figures from the slowest published stack to the fast end of `range`:
+    # down to the lowest share of a prediction a published training run reached (catalogue.toml
+    # [validation], docs/predict.md "Validation"); empty where nothing was validated (`local`, CNNs)
+    stack_range: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
