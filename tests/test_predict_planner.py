@@ -46,6 +46,42 @@ def test_candidates_are_exactly_the_valid_configurations():
     assert {int(p) for p in np.unique(c.pp)} == {7, 35}
 
 
+def _every_valid_configuration(model, cluster):
+    """The reference: the whole product of every knob, judged once by valid_mask (what candidate_configs
+    builds in pruned steps), in the product's order."""
+    from ddlscope.predict.model import ConfigArrays, valid_mask
+    from ddlscope.predict.planner import MAX_EXPERT_PARALLEL, MAX_INTERLEAVE, MAX_MICRO_BATCH, divisors
+
+    n = cluster.n_gpus
+    triples = [(t, c, p) for t in divisors(n) for c in (1, 2, 4, 8, 16, 32) if c <= n and (n // t) % c == 0
+               for p in divisors(n // (t * c))]
+    tp, cp, pp = (np.array(column) for column in zip(*triples))
+    eps = divisors(model.experts, MAX_EXPERT_PARALLEL) if model.is_moe else [1]
+    axes = np.meshgrid(np.arange(len(triples)), divisors(model.global_batch, MAX_MICRO_BATCH), np.arange(4),
+                       np.arange(3), [False, True], divisors(model.layers, MAX_INTERLEAVE), np.arange(2), eps,
+                       indexing="ij")
+    i, b, zero, rc, sp, v, sched, ep = (a.ravel() for a in axes)
+    c = ConfigArrays(tp=tp[i], pp=pp[i], dp=n // (tp[i] * cp[i] * pp[i]), micro_batch=b, zero=zero, recompute=rc,
+                     sequence_parallel=sp, interleave=v, schedule=sched, cp=cp[i], ep=ep)
+    return c.take(valid_mask(model, cluster, c) & ((c.schedule == 0) | (c.pp > 1)))
+
+
+@pytest.mark.parametrize("model,cluster", [
+    (MTNLG, "a100-80gb:280x8"),
+    (ModelSpec(hidden=4096, heads=32, layers=32, seq=4096, vocab=32000, global_batch=512, experts=8, top_k=2),
+     "h100:8x8"),
+    (ModelSpec(hidden=2048, heads=16, layers=24, seq=2048, vocab=50368, global_batch=256, attention="unfused"),
+     "a100-40gb:2x8"),
+])
+def test_candidates_are_the_valid_part_of_the_whole_product_in_its_order(model, cluster):
+    cluster = parse_cluster(cluster)
+    got, want = candidate_configs(model, cluster), _every_valid_configuration(model, cluster)
+    assert len(got) == len(want) > 1000
+    for name in ("tp", "cp", "pp", "dp", "ep", "micro_batch", "zero", "recompute", "sequence_parallel",
+                 "interleave", "schedule"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+
+
 def test_vectorized_plan_and_scalar_predict_agree():
     cluster = parse_cluster("a100-80gb:384x8")
     configs = candidate_configs(ONE_T, cluster)
@@ -79,7 +115,9 @@ def test_planning_a_1t_model_on_3072_gpus_is_fast():
     total_s = time.perf_counter() - start
     assert result.evaluated > 10_000
     assert total_s < 1.0
-    assert result.configs_per_s > 100_000  # the issue's bar; measured ~500k/s on 2 shared cores
+    # a floor far below the speed: benchmarks/plan_speed.py holds the goal (1e6/s; measured 1.27e6/s on
+    # 2 shared cores), this only catches a search that stopped being vectorized
+    assert result.configs_per_s > 100_000
 
 
 def test_rank_by_cost_may_use_fewer_gpus_and_is_sorted_by_cost():

@@ -151,13 +151,43 @@ def _per_distinct(fn, *keys):
     """
     shape = np.shape(keys[0])
     columns = [np.broadcast_to(np.asarray(k), shape).ravel().astype(np.int64) for k in keys]
-    code = np.zeros(columns[0].shape, dtype=np.int64)
-    for column in columns:  # one integer per combination (the keys are small non-negative integers)
-        code = code * (int(column.max(initial=0)) + 1) + column
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    first, inverse = _distinct_rows(columns)
     distinct = [column[first].astype(float) for column in columns]
     results = fn(*distinct)
-    return tuple(np.asarray(r, dtype=float)[inverse.ravel()].reshape(shape) for r in results)
+    return tuple(np.asarray(r, dtype=float)[inverse].reshape(shape) for r in results)
+
+
+def _distinct_rows(columns: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(an index of each distinct row of the non-negative integer columns, each row's distinct row).
+
+    One integer per row (mixed radix) and one sort, where the radices' product fits an int64; rows
+    compared whole (slower) where it does not."""
+    radices = [int(column.max(initial=0)) + 1 for column in columns]
+    if float(np.prod(np.array(radices, dtype=float))) < 2.0**62:
+        code = np.zeros(columns[0].shape, dtype=np.int64)
+        for column, radix in zip(columns, radices):
+            code = code * radix + column
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(np.stack(columns, axis=1), axis=0, return_index=True, return_inverse=True)
+    return first, inverse.ravel()
+
+
+def _distinct_sizes(model: ModelSpec, c: ConfigArrays) -> tuple["_Shape", np.ndarray]:
+    """The distinct (TP, CP, PP, DP, EP, micro-batch, SP) of the configurations, as a `_Shape` (the other
+    knobs at their defaults), and each configuration's row in it.
+
+    Every collective of the step depends on these alone: the planner's configurations share a few
+    hundred of them (ZeRO stage, recomputation, interleaving and schedule multiply each), so the
+    collectives are priced once per distinct row and spread back, not once per configuration."""
+    columns = [np.asarray(a).astype(np.int64) for a in (c.tp, c.cp, c.pp, c.dp, c.ep, c.micro_batch,
+                                                         c.sequence_parallel)]
+    first, inverse = _distinct_rows(columns)
+    t, cp, pp, dp, ep, b, sp = (column[first] for column in columns)
+    zeros = np.zeros(len(first), dtype=int)
+    sizes = ConfigArrays(tp=t, pp=pp, dp=dp, micro_batch=b, zero=zeros, recompute=zeros,
+                         sequence_parallel=sp.astype(bool), interleave=zeros + 1, schedule=zeros, cp=cp, ep=ep)
+    return _Shape.of(model, sizes), inverse
 
 
 def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: float):
@@ -211,23 +241,20 @@ def _expert_all_to_all_s(model: ModelSpec, cluster: Cluster, x: _Shape):
     return coll.all_to_all_s(routed_bytes, x.e, local, cluster.node)
 
 
-def _context_ring_s(model: ModelSpec, cluster: Cluster, x: _Shape, attn_f, attn_b):
-    """Exposed ring-attention traffic of one layer, one micro-batch: (forward, backward) seconds.
+def _context_ring_transfer_s(model: ModelSpec, cluster: Cluster, x: _Shape):
+    """Ring-attention traffic of one layer, one micro-batch: (forward, backward) seconds on the wire.
 
     Each of the cp ranks passes its chunk's keys and values (its kv heads on this TP rank) around the
-    ring, cp - 1 hops, while it computes attention on the chunk it has (Megatron-core overlaps them);
-    backward passes keys and values again with their gradients, twice the bytes. CP ranks are tp apart.
+    ring, cp - 1 hops, while it computes attention on the chunk it has (Megatron-core overlaps them:
+    `evaluate` charges what the attention does not hide); backward passes keys and values again with
+    their gradients, twice the bytes. CP ranks are tp apart.
     """
     if not np.any(x.c > 1):
         return np.zeros_like(x.t), np.zeros_like(x.t)
     kv_bytes = (x.bt * model.seq * 2 * model.kv * model.head_dim / x.t) * model.activation_bytes
     across = x.t * x.c > cluster.gpus_per_node
     hops = x.c - 1
-    forward = hops * coll.p2p_s(kv_bytes, across, cluster.node)
-    backward = hops * coll.p2p_s(2 * kv_bytes, across, cluster.node)
-    exposed_f = np.where(hops > 0, np.maximum(forward - attn_f, 0.0), 0.0)
-    exposed_b = np.where(hops > 0, np.maximum(backward - attn_b, 0.0), 0.0)
-    return exposed_f, exposed_b
+    return hops * coll.p2p_s(kv_bytes, across, cluster.node), hops * coll.p2p_s(2 * kv_bytes, across, cluster.node)
 
 
 def _stage_params(model: ModelSpec, x: _Shape):
@@ -250,12 +277,19 @@ def _data_group(cluster: Cluster, x: _Shape, experts: bool = False):
     return size, coll.group_members_per_node(size, stride, cluster.gpus_per_node)
 
 
-def _zero_in_step_s(cluster: Cluster, x: _Shape, params, compute_f, compute_b, bucket_mb: float):
-    """ZeRO-2/3 traffic per micro-batch that compute could not hide."""
+def _zero_collectives_s(cluster: Cluster, x: _Shape, params):
+    """(all-gather of the weights, reduce-scatter of the gradients, one reduce-scatter's latency) over the
+    data-parallel group, for `params` parameters on a GPU: ZeRO-2/3's traffic per micro-batch."""
     node, (group, local) = cluster.node, _data_group(cluster, x)
     shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
-    gather = coll.all_gather_s(shard_bytes, group, local, node)
-    scatter = coll.reduce_scatter_s(shard_bytes, group, local, node)
+    return (coll.all_gather_s(shard_bytes, group, local, node), coll.reduce_scatter_s(shard_bytes, group, local, node),
+            coll.reduce_scatter_s(0.0, group, local, node))
+
+
+def _zero_in_step_s(cluster: Cluster, x: _Shape, params, collectives, compute_f, compute_b, bucket_mb: float):
+    """ZeRO-2/3 traffic per micro-batch that compute could not hide (`collectives`: _zero_collectives_s's)."""
+    gather, scatter, latency = collectives
+    shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
     # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
     # except the first unit's; backward gathers again and reduce-scatters gradients.
     # Each overlapped collective also holds NCCL's SMs while the compute beside it runs (sm_contention_s).
@@ -264,27 +298,65 @@ def _zero_in_step_s(cluster: Cluster, x: _Shape, params, compute_f, compute_b, b
               + np.maximum(gather + scatter - compute_b, 0.0)
               + coll.sm_contention_s(gather, compute_f, sms) + coll.sm_contention_s(gather + scatter, compute_b, sms))
     # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
-    latency = coll.reduce_scatter_s(0.0, group, local, node)
     stage2 = (coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
               + coll.sm_contention_s(scatter, compute_b, sms))
     return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
 
 
-def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, backward_s, c: ConfigArrays, experts: bool = False):
-    """End-of-step gradient sync left to do after the last micro-batch (what ZeRO-2/3 did not do already)."""
+def _data_parallel_collectives_s(cluster: Cluster, x: _Shape, params, experts: bool = False):
+    """(all-reduce and reduce-scatter of the gradients, all-gather of the weights, and the first two's
+    latencies) over the group holding copies of `params` parameters on a GPU: the end-of-step sync."""
     node, (group, local) = cluster.node, _data_group(cluster, x, experts)
     grad_bytes = params * memory.GRAD_BYTES_PER_PARAM
-    all_reduce = coll.all_reduce_s(grad_bytes, group, local, node)
-    scatter = coll.reduce_scatter_s(grad_bytes, group, local, node)
-    gather = coll.all_gather_s(params * memory.WEIGHT_BYTES_PER_PARAM, group, local, node)
+    return (coll.all_reduce_s(grad_bytes, group, local, node), coll.reduce_scatter_s(grad_bytes, group, local, node),
+            coll.all_gather_s(params * memory.WEIGHT_BYTES_PER_PARAM, group, local, node),
+            coll.all_reduce_s(0.0, group, local, node), coll.reduce_scatter_s(0.0, group, local, node))
+
+
+def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, collectives, backward_s, c: ConfigArrays):
+    """End-of-step gradient sync left to do after the last micro-batch (what ZeRO-2/3 did not do already);
+    `collectives`: _data_parallel_collectives_s's."""
+    all_reduce, scatter, gather, all_reduce_latency, scatter_latency = collectives
+    grad_bytes = params * memory.GRAD_BYTES_PER_PARAM
     reduce = np.where(x.zero == 0, all_reduce, scatter)
     if c.overlap_grad_reduce:  # buckets go out while the last micro-batch's backward runs
-        latency = np.where(x.zero == 0, coll.all_reduce_s(0.0, group, local, node),
-                           coll.reduce_scatter_s(0.0, group, local, node))
+        latency = np.where(x.zero == 0, all_reduce_latency, scatter_latency)
         reduce = (coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
                                                   backward_s)
                   + coll.sm_contention_s(reduce, backward_s, cluster.device.efficiency.sms))
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
+
+
+def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape) -> dict[str, np.ndarray]:
+    """Every collective of the step, each config's sizes' worth (`_distinct_sizes`): what they depend on
+    is in `x`'s sizes, micro-batch and SP alone."""
+    g, node = cluster.gpus_per_node, cluster.node
+    first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
+    # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
+    stages_across_nodes = x.t * x.c * x.d >= g
+    act_bytes = x.bt * model.seq * model.hidden * model.activation_bytes
+    # and the receiving tp ranks all-gather the pieces back into the whole activation (megatron/p2p_communication.py,
+    # gather_split_1d_tensor) before they use it: one all-gather over the tp group per received tensor. With
+    # sequence parallelism each rank's activation is its 1/tp of the sequence already: sent as it is, no gather.
+    gathered = coll.all_gather_s(act_bytes, x.t, coll.group_members_per_node(x.t, 1, g), node)
+    regather = np.where((x.t > 1) & ~x.sp, gathered, 0.0)
+    ring_f, ring_b = _context_ring_transfer_s(model, cluster, x)
+    out = {"tp_pair": _tensor_parallel_pair_s(model, cluster, x), "a2a": _expert_all_to_all_s(model, cluster, x),
+           "ring_f": ring_f, "ring_b": ring_b,
+           "p2p_chunk": coll.p2p_s(act_bytes / x.t, stages_across_nodes, node) + regather,
+           "embedding_sync": coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
+                                               np.where(stages_across_nodes, 1.0, 2.0), node)}
+    for name, values in (("first_zero", _zero_collectives_s(cluster, x, first_params + experts_here)),
+                         ("last_zero", _zero_collectives_s(cluster, x, last_params + experts_here)),
+                         ("dp", _data_parallel_collectives_s(cluster, x, np.maximum(first_params, last_params))),
+                         ("expert_dp", _data_parallel_collectives_s(cluster, x, experts_here, True))):
+        out.update({f"{name} {i}": value for i, value in enumerate(values)})
+    return out
+
+
+def _spread(collectives: dict[str, np.ndarray], name: str, inverse: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A group of `_collectives_s`'s terms (`NAME 0`, `NAME 1`, ...) spread back to every configuration."""
+    return tuple(value[inverse] for key, value in collectives.items() if key.rpartition(" ")[0] == name)
 
 
 def _activation_bytes(model: ModelSpec, x: _Shape):
@@ -324,34 +396,28 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     last_compute_f = lps * layer_f + out_f + extra_on_single(emb_f)
     last_compute_b = lps * (layer_b + layer_recompute) + out_b + extra_on_single(emb_b)
 
-    tp_pair = _tensor_parallel_pair_s(model, cluster, x)
+    sizes, inverse = _distinct_sizes(model, c)
+    collectives = _collectives_s(model, cluster, sizes)
+    spread = lambda key: collectives[key][inverse]  # noqa: E731
+
+    tp_pair = spread("tp_pair")
     # two pairs forward, two backward, two more when full recompute re-runs the forward;
     # plus the vocab-parallel embedding (first stage) and logits-gradient (last stage) pair
     tp_per_layer = 4 * tp_pair + np.where(x.recompute == 2, 2 * tp_pair, 0.0)
     stage_tp = lps * tp_per_layer + tp_pair + extra_on_single(tp_pair)
     # MoE: dispatch + combine forward, the same backward, again when full recompute re-runs the forward
-    a2a = _expert_all_to_all_s(model, cluster, x)
-    stage_ep = lps * a2a * (4 + np.where(x.recompute == 2, 2, 0))
-    ring_f, ring_b = _context_ring_s(model, cluster, x, attn_f, attn_b)
+    stage_ep = lps * spread("a2a") * (4 + np.where(x.recompute == 2, 2, 0))
+    # ring attention: what the attention on the chunk at hand does not hide
+    ring_f = np.where(x.c > 1, np.maximum(spread("ring_f") - attn_f, 0.0), 0.0)
+    ring_b = np.where(x.c > 1, np.maximum(spread("ring_b") - attn_b, 0.0), 0.0)
     stage_cp = lps * (ring_b + ring_f * np.where(x.recompute == 2, 2, 1))
-
-    # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
-    stages_across_nodes = x.t * x.c * x.d >= g
-    act_bytes = x.bt * model.seq * model.hidden * model.activation_bytes
-    # and the receiving tp ranks all-gather the pieces back into the whole activation (megatron/p2p_communication.py,
-    # gather_split_1d_tensor) before they use it: one all-gather over the tp group per received tensor. With
-    # sequence parallelism each rank's activation is its 1/tp of the sequence already: sent as it is, no gather.
-    (gathered,) = _per_distinct(  # a few distinct (micro-batch, cp, tp) among the planner's configurations
-        lambda b, cp, t: (coll.all_gather_s(b / cp * model.seq * model.hidden * model.activation_bytes, t,
-                                            coll.group_members_per_node(t, 1, g), cluster.node),), x.b, x.c, x.t)
-    regather = np.where((x.t > 1) & ~x.sp, gathered, 0.0)
-    p2p_mb = np.where(single, 0.0,
-                      2 * x.v * (coll.p2p_s(act_bytes / x.t, stages_across_nodes, cluster.node) + regather))
+    p2p_mb = np.where(single, 0.0, 2 * x.v * spread("p2p_chunk"))
 
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
-    first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, first_compute_f, first_compute_b,
-                                 c.bucket_mb)
-    last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, last_compute_f, last_compute_b, c.bucket_mb)
+    first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, _spread(collectives, "first_zero", inverse),
+                                 first_compute_f, first_compute_b, c.bucket_mb)
+    last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, _spread(collectives, "last_zero", inverse),
+                                last_compute_f, last_compute_b, c.bucket_mb)
 
     # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
     # unless the weight-gradient GEMM accumulates into it itself (its C operand, inside the GEMM's roofline)
@@ -374,15 +440,15 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     bubble_s = (x.p - 1) / x.v * t_stage
     sync_params = np.maximum(first_params, last_params)
     last_backward = np.maximum(first_compute_b, last_compute_b)
-    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, last_backward, c)
+    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, _spread(collectives, "dp", inverse), last_backward, c)
     if model.is_moe:
-        dp_sync_s = dp_sync_s + _data_parallel_sync_s(cluster, x, experts_here, last_backward, c, True)
+        dp_sync_s = dp_sync_s + _data_parallel_sync_s(cluster, x, experts_here, _spread(collectives, "expert_dp", inverse),
+                                                      last_backward, c)
     dense_group, expert_group = _data_group(cluster, x)[0], _data_group(cluster, x, True)[0]
     owned = (sync_params / np.where(x.zero >= 1, dense_group, 1.0)
              + experts_here / np.where(x.zero >= 1, expert_group, 1.0))
     optimizer_s = compute.optimizer_step_s(owned, dev)
-    embedding_sync_s = np.where(single, 0.0, coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
-                                                               np.where(stages_across_nodes, 1.0, 2.0), cluster.node))
+    embedding_sync_s = np.where(single, 0.0, spread("embedding_sync"))
     step_s = pipeline_s + bubble_s + dp_sync_s + optimizer_s + embedding_sync_s
 
     # -- throughput

@@ -19,7 +19,7 @@ import numpy as np
 from ddlscope.predict.catalogue import Cluster, make_cluster
 from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
 from ddlscope.predict.predictor import prediction_from_arrays, prediction_range, stack_range, validate_model
-from ddlscope.predict.specs import ModelSpec, Prediction
+from ddlscope.predict.specs import RECOMPUTE_CODES, ModelSpec, Prediction
 from ddlscope.specs import ConfigError
 
 RankBy = Literal["time", "cost"]
@@ -61,7 +61,14 @@ def divisors(n: int, at_most: int | None = None) -> list[int]:
 
 def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int = MAX_MICRO_BATCH,
                       max_interleave: int = MAX_INTERLEAVE) -> ConfigArrays:
-    """Every valid configuration for this model on exactly this cluster, as arrays."""
+    """Every valid configuration for this model on exactly this cluster, as arrays, in the order of the
+    product TP x CP x PP (x DP) x micro-batch x ZeRO x recomputation x SP x interleaving x schedule x EP.
+
+    The product is built in three steps, each pruned by `valid_mask` before the next multiplies it
+    (the same configurations as pruning the whole product once, a fraction of the work): the sizes and
+    the micro-batch, most of whose combinations do not divide the batch, with every other knob at a
+    value no rule refuses (no SP, no interleaving, 1F1B, EP 1); then SP, interleaving, schedule and EP
+    for each; then the ZeRO stage and recomputation, which no rule restricts, for each of those."""
     n = cluster.n_gpus
     cps = [c for c in (1, 2, 4, 8, 16, 32) if c <= n and (c == 1 or model.attention == "flash")
            and model.seq % (2 * c) == 0]
@@ -72,15 +79,42 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
         return _empty()
     tp, cp, pp = (np.array(column) for column in zip(*triples))
     micro = np.array(divisors(model.global_batch, max_micro_batch))  # not a loop to a huge batch
+    index, b = (a.ravel() for a in np.meshgrid(np.arange(len(triples)), micro, indexing="ij"))
+    sizes = _configs(tp=tp[index], pp=pp[index], dp=n // (tp[index] * cp[index] * pp[index]), micro_batch=b,
+                     cp=cp[index])
+    sizes = sizes.take(valid_mask(model, cluster, sizes))
+
     interleave = np.array(divisors(model.layers, max_interleave))
     eps = np.array(divisors(model.experts, MAX_EXPERT_PARALLEL) if model.is_moe else [1])
-    axes = np.meshgrid(np.arange(len(triples)), micro, np.arange(4), np.arange(3), np.array([False, True]),
-                       interleave, np.arange(2), eps, indexing="ij")
-    index, b, zero, rc, sp, v, sched, ep = (a.ravel() for a in axes)
-    c = ConfigArrays(tp=tp[index], pp=pp[index], dp=n // (tp[index] * cp[index] * pp[index]), micro_batch=b,
-                     zero=zero, recompute=rc, sequence_parallel=sp, interleave=v, schedule=sched, cp=cp[index], ep=ep)
-    distinct = (c.schedule == 0) | (c.pp > 1)  # without a pipeline GPipe and 1F1B are the same run
-    return c.take(valid_mask(model, cluster, c) & distinct)
+    row, sp, v, sched, ep = (a.ravel() for a in np.meshgrid(np.arange(len(sizes)), np.array([False, True]),
+                                                            interleave, np.arange(2), eps, indexing="ij"))
+    knobs = _configs(tp=sizes.tp[row], pp=sizes.pp[row], dp=sizes.dp[row], micro_batch=sizes.micro_batch[row],
+                     cp=sizes.cp[row], sequence_parallel=sp, interleave=v, schedule=sched, ep=ep)
+    distinct = (knobs.schedule == 0) | (knobs.pp > 1)  # without a pipeline GPipe and 1F1B are the same run
+    keep = valid_mask(model, cluster, knobs) & distinct
+    return _times_zero_and_recompute(knobs.take(keep), np.bincount(row[keep], minlength=len(sizes)))
+
+
+def _configs(**arrays: np.ndarray) -> ConfigArrays:
+    """Configurations of these arrays, every knob not given at a value no rule refuses."""
+    default = np.zeros(len(arrays["tp"]), dtype=int)
+    return ConfigArrays(**{"zero": default, "recompute": default, "sequence_parallel": default.astype(bool),
+                           "interleave": default + 1, "schedule": default, "ep": default + 1, **arrays})
+
+
+def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigArrays:
+    """Each configuration of `c` at every ZeRO stage (0-3) and recomputation (0-2), in product order:
+    `c` holds `per_size[i]` configurations for the i-th size (consecutive), and the stages and
+    recomputations go between the size and those, as their axes do in the product."""
+    stages = 4 * len(RECOMPUTE_CODES)
+    block = np.repeat(per_size, stages)  # one block of the size's configurations per (stage, recomputation)
+    size = np.repeat(np.arange(len(per_size)), per_size * stages)
+    first_of_size = np.concatenate(([0], np.cumsum(per_size)[:-1]))
+    at = np.arange(int(block.sum())) - np.repeat(np.concatenate(([0], np.cumsum(block)[:-1])), block)
+    combo = np.repeat(np.arange(len(block)) % stages, block)
+    out = c.take(first_of_size[size] + at)
+    out.zero, out.recompute = combo // len(RECOMPUTE_CODES), combo % len(RECOMPUTE_CODES)
+    return out
 
 
 def _empty() -> ConfigArrays:
