@@ -8,6 +8,9 @@
 #      8 layers, 16 heads, seq 512 (HIDDEN, LAYERS, HEADS, SEQ), batch 16, 20 steps; the summaries as JSON
 #   4. `ddlscope predict` of the same shape on h200:1x1 (fp32: the runs do not use mixed precision),
 #      beside the measured step time
+#   5. benchmarks/kernel_rates.py: each kernel kind of a transformer step (GEMMs at the published runs'
+#      layer shapes, unfused softmax + dropout, FlashAttention, element-wise passes, copy, fused AdamW)
+#      timed on the GPU beside the model's price for it (about 2 minutes)
 #
 # On the device machine (python3 there holds a CUDA torch; pydantic may have to travel as wheels
 # in .whl, see the device tool's README):
@@ -64,4 +67,12 @@ try:
 except (OSError, ValueError, KeyError):
     pass
 EOF
+
+echo "== 5. the model's kernel prices against this GPU (benchmarks/kernel_rates.py; issue 23)"
+if [ "$DEVICE" = cuda ]; then
+    timeout 180 "$PY" benchmarks/kernel_rates.py --json "$OUT/kernels.json" 2>&1 | tail -60 || echo "kernel check failed"
+else
+    timeout 180 "$PY" benchmarks/kernel_rates.py --device cpu --against h100 --quick --json "$OUT/kernels.json" \
+        2>&1 | tail -8 || echo "kernel check failed"
+fi
 echo "results in $OUT"

@@ -1,0 +1,32 @@
+"""benchmarks/kernel_rates.py, the GPU session's kernel check, runs here on the CPU (its times mean
+nothing against a GPU's catalogue entry: this checks the script and that it prices what the model
+prices)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from ddlscope.predict import compute
+from ddlscope.predict.catalogue import load_catalogue
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_kernel_check_runs_on_the_cpu_and_prices_each_kernel_as_the_model_does(tmp_path):
+    out = tmp_path / "kernels.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_rates.py"), "--device", "cpu",
+                           "--against", "h100", "--quick", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    kinds = {k["kind"] for k in result["kernels"]}
+    assert {"gemm", "element-wise", "copy", "adam"} <= kinds
+    assert all(k["measured_s"] > 0 and k["predicted_s"] > 0 for k in result["kernels"])
+    h100 = load_catalogue().devices["h100"]
+    first = result["kernels"][0]  # the 1.7B layer's QKV forward GEMM: 512 tokens x 3h x h
+    assert first["shape"].endswith("512x6912x2304")
+    assert first["predicted_s"] == compute.gemm_s(512, 6912, 2304, h100, h100.peak("bf16"))
+    copy = next(k for k in result["kernels"] if k["kind"] == "copy")
+    assert copy["predicted_s"] == 8 * 2**20 / (h100.memory_bandwidth_bytes_per_s * h100.efficiency.memory_fraction)
+    assert set(result["summary"]) == kinds
