@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 import signal
+import threading
 import time
 from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -193,13 +195,25 @@ def _parse_pool(in_processes: bool) -> Executor:
     _import_parsers()  # in the parent, so that no child takes the import lock a parent thread may hold
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     return ProcessPoolExecutor(PARSE_PROCESSES, mp_context=multiprocessing.get_context(method),
-                               initializer=_leave_interrupts_to_the_parent)
+                               initializer=_parsing_child, initargs=(os.getpid(),))
 
 
-def _leave_interrupts_to_the_parent() -> None:
-    """Ctrl-C reaches the whole process group: the ingest (the parent) stops and rolls back, and shuts
-    the pool down; a child that raised KeyboardInterrupt too would only print its own traceback."""
+def _parsing_child(parent_pid: int) -> None:
+    """A parsing process's start: Ctrl-C is the parent's, and the process ends with its parent.
+
+    Ctrl-C reaches the whole process group: the ingest (the parent) stops, rolls back and shuts the
+    pool down; a child that raised KeyboardInterrupt too would only print its own traceback. A parent
+    killed outright (SIGKILL, the OOM killer) shuts nothing down: its children would wait on their
+    task queue for ever, holding its stdout and stderr open, so each watches for its parent's end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                     name="ddlscope-parent-watch").start()
+
+
+def _exit_when_orphaned(parent_pid: int, poll_s: float = 0.2) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os._exit(1)
 
 
 def _import_parsers() -> None:
