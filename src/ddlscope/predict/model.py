@@ -24,7 +24,7 @@ stages tp x dp apart.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -60,6 +60,14 @@ class ConfigArrays:
         ones = np.ones(len(self.tp), dtype=int)
         self.cp = ones if self.cp is None else np.asarray(self.cp)
         self.ep = ones if self.ep is None else np.asarray(self.ep)
+
+    @classmethod
+    def with_defaults(cls, **arrays: np.ndarray) -> "ConfigArrays":
+        """Configurations of these arrays (`tp`, `pp`, `dp`, `micro_batch` at least), every knob not given
+        at a value no rule of `valid_mask` refuses: ZeRO 0, no recomputation or SP, no interleaving, 1F1B."""
+        default = np.zeros(len(arrays["tp"]), dtype=int)
+        return cls(**{"zero": default, "recompute": default, "sequence_parallel": default.astype(bool),
+                      "interleave": default + 1, "schedule": default, **arrays})
 
     @classmethod
     def from_specs(cls, specs: Iterable[ParallelSpec]) -> "ConfigArrays":
@@ -184,9 +192,8 @@ def _distinct_sizes(model: ModelSpec, c: ConfigArrays) -> tuple["_Shape", np.nda
                                                          c.sequence_parallel)]
     first, inverse = _distinct_rows(columns)
     t, cp, pp, dp, ep, b, sp = (column[first] for column in columns)
-    zeros = np.zeros(len(first), dtype=int)
-    sizes = ConfigArrays(tp=t, pp=pp, dp=dp, micro_batch=b, zero=zeros, recompute=zeros,
-                         sequence_parallel=sp.astype(bool), interleave=zeros + 1, schedule=zeros, cp=cp, ep=ep)
+    sizes = ConfigArrays.with_defaults(tp=t, pp=pp, dp=dp, micro_batch=b, sequence_parallel=sp.astype(bool), cp=cp,
+                                       ep=ep)
     return _Shape.of(model, sizes), inverse
 
 
@@ -327,9 +334,9 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, collectives, back
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
 
 
-def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape) -> dict[str, np.ndarray]:
-    """Every collective of the step, each config's sizes' worth (`_distinct_sizes`): what they depend on
-    is in `x`'s sizes, micro-batch and SP alone."""
+def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape) -> dict[str, Any]:
+    """Every collective of the step, by name (an array, or a tuple of them for a group's several), for
+    the distinct sizes of `_distinct_sizes`: they depend on the sizes, the micro-batch and SP alone."""
     g, node = cluster.gpus_per_node, cluster.node
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
     # Megatron's scatter/gather sends 1/tp of the activation per rank, each chunk, each way
@@ -345,18 +352,13 @@ def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape) -> dict[str, n
            "ring_f": ring_f, "ring_b": ring_b,
            "p2p_chunk": coll.p2p_s(act_bytes / x.t, stages_across_nodes, node) + regather,
            "embedding_sync": coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
-                                               np.where(stages_across_nodes, 1.0, 2.0), node)}
-    for name, values in (("first_zero", _zero_collectives_s(cluster, x, first_params + experts_here)),
-                         ("last_zero", _zero_collectives_s(cluster, x, last_params + experts_here)),
-                         ("dp", _data_parallel_collectives_s(cluster, x, np.maximum(first_params, last_params))),
-                         ("expert_dp", _data_parallel_collectives_s(cluster, x, experts_here, True))):
-        out.update({f"{name} {i}": value for i, value in enumerate(values)})
+                                               np.where(stages_across_nodes, 1.0, 2.0), node),
+           "first_zero": _zero_collectives_s(cluster, x, first_params + experts_here),
+           "last_zero": _zero_collectives_s(cluster, x, last_params + experts_here),
+           "dp": _data_parallel_collectives_s(cluster, x, np.maximum(first_params, last_params))}
+    if model.is_moe:
+        out["expert_dp"] = _data_parallel_collectives_s(cluster, x, experts_here, True)
     return out
-
-
-def _spread(collectives: dict[str, np.ndarray], name: str, inverse: np.ndarray) -> tuple[np.ndarray, ...]:
-    """A group of `_collectives_s`'s terms (`NAME 0`, `NAME 1`, ...) spread back to every configuration."""
-    return tuple(value[inverse] for key, value in collectives.items() if key.rpartition(" ")[0] == name)
 
 
 def _activation_bytes(model: ModelSpec, x: _Shape):
@@ -398,7 +400,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
 
     sizes, inverse = _distinct_sizes(model, c)
     collectives = _collectives_s(model, cluster, sizes)
-    spread = lambda key: collectives[key][inverse]  # noqa: E731
+    def spread(name: str):  # a collective of the distinct sizes at every configuration
+        value = collectives[name]
+        return tuple(v[inverse] for v in value) if isinstance(value, tuple) else value[inverse]
 
     tp_pair = spread("tp_pair")
     # two pairs forward, two backward, two more when full recompute re-runs the forward;
@@ -414,9 +418,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     p2p_mb = np.where(single, 0.0, 2 * x.v * spread("p2p_chunk"))
 
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
-    first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, _spread(collectives, "first_zero", inverse),
+    first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, spread("first_zero"),
                                  first_compute_f, first_compute_b, c.bucket_mb)
-    last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, _spread(collectives, "last_zero", inverse),
+    last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, spread("last_zero"),
                                 last_compute_f, last_compute_b, c.bucket_mb)
 
     # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
@@ -440,9 +444,9 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     bubble_s = (x.p - 1) / x.v * t_stage
     sync_params = np.maximum(first_params, last_params)
     last_backward = np.maximum(first_compute_b, last_compute_b)
-    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, _spread(collectives, "dp", inverse), last_backward, c)
+    dp_sync_s = _data_parallel_sync_s(cluster, x, sync_params, spread("dp"), last_backward, c)
     if model.is_moe:
-        dp_sync_s = dp_sync_s + _data_parallel_sync_s(cluster, x, experts_here, _spread(collectives, "expert_dp", inverse),
+        dp_sync_s = dp_sync_s + _data_parallel_sync_s(cluster, x, experts_here, spread("expert_dp"),
                                                       last_backward, c)
     dense_group, expert_group = _data_group(cluster, x)[0], _data_group(cluster, x, True)[0]
     owned = (sync_params / np.where(x.zero >= 1, dense_group, 1.0)

@@ -76,30 +76,25 @@ def candidate_configs(model: ModelSpec, cluster: Cluster, max_micro_batch: int =
                for c in cps if (n // t) % c == 0
                for p in divisors(n // (t * c)) if model.layers % p == 0]
     if not triples:
-        return _empty()
+        z = np.zeros(0, dtype=int)
+        return ConfigArrays.with_defaults(tp=z, pp=z, dp=z, micro_batch=z)
     tp, cp, pp = (np.array(column) for column in zip(*triples))
     micro = np.array(divisors(model.global_batch, max_micro_batch))  # not a loop to a huge batch
     index, b = (a.ravel() for a in np.meshgrid(np.arange(len(triples)), micro, indexing="ij"))
-    sizes = _configs(tp=tp[index], pp=pp[index], dp=n // (tp[index] * cp[index] * pp[index]), micro_batch=b,
-                     cp=cp[index])
+    sizes = ConfigArrays.with_defaults(tp=tp[index], pp=pp[index], dp=n // (tp[index] * cp[index] * pp[index]),
+                                       micro_batch=b, cp=cp[index])
     sizes = sizes.take(valid_mask(model, cluster, sizes))
 
     interleave = np.array(divisors(model.layers, max_interleave))
     eps = np.array(divisors(model.experts, MAX_EXPERT_PARALLEL) if model.is_moe else [1])
     row, sp, v, sched, ep = (a.ravel() for a in np.meshgrid(np.arange(len(sizes)), np.array([False, True]),
                                                             interleave, np.arange(2), eps, indexing="ij"))
-    knobs = _configs(tp=sizes.tp[row], pp=sizes.pp[row], dp=sizes.dp[row], micro_batch=sizes.micro_batch[row],
-                     cp=sizes.cp[row], sequence_parallel=sp, interleave=v, schedule=sched, ep=ep)
+    knobs = ConfigArrays.with_defaults(tp=sizes.tp[row], pp=sizes.pp[row], dp=sizes.dp[row],
+                                       micro_batch=sizes.micro_batch[row], cp=sizes.cp[row], sequence_parallel=sp,
+                                       interleave=v, schedule=sched, ep=ep)
     distinct = (knobs.schedule == 0) | (knobs.pp > 1)  # without a pipeline GPipe and 1F1B are the same run
     keep = valid_mask(model, cluster, knobs) & distinct
     return _times_zero_and_recompute(knobs.take(keep), np.bincount(row[keep], minlength=len(sizes)))
-
-
-def _configs(**arrays: np.ndarray) -> ConfigArrays:
-    """Configurations of these arrays, every knob not given at a value no rule refuses."""
-    default = np.zeros(len(arrays["tp"]), dtype=int)
-    return ConfigArrays(**{"zero": default, "recompute": default, "sequence_parallel": default.astype(bool),
-                           "interleave": default + 1, "schedule": default, "ep": default + 1, **arrays})
 
 
 def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigArrays:
@@ -115,12 +110,6 @@ def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigAr
     out = c.take(first_of_size[size] + at)
     out.zero, out.recompute = combo // len(RECOMPUTE_CODES), combo % len(RECOMPUTE_CODES)
     return out
-
-
-def _empty() -> ConfigArrays:
-    z = np.zeros(0, dtype=int)
-    return ConfigArrays(tp=z, pp=z, dp=z, micro_batch=z, zero=z, recompute=z, sequence_parallel=z.astype(bool),
-                        interleave=z, schedule=z)
 
 
 def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "time", spot: bool = False,
