@@ -323,10 +323,10 @@ def lowest_share(results: list[Outcome]) -> float:
     return min(o.share for o in results)
 
 
-def summarise(sources: dict[str, list[Run]], sustained: float | None) -> list[SourceSummary]:
-    results = outcomes(sources, sustained)
+def summarise(results: list[Outcome]) -> list[SourceSummary]:
+    """Per source of `outcomes`'s results, in their order."""
     out = []
-    for name in sources:
+    for name in dict.fromkeys(o.source for o in results):
         mine = [o for o in results if o.source == name]
         share = lowest_share([o for o in results if o.source != name])
         errs = [o.predicted / o.run.published - 1 for o in mine]
@@ -355,7 +355,7 @@ def calibrated_mode(console: Console, args: argparse.Namespace) -> None:
         scores = {x: abs(statistics.fmean(math.log1p(e) for e in errors(INDEPENDENT, x))) for x in grid}
         sustained = min(scores, key=scores.get)
         console.print(f"[FITTED] sustained_fraction without bias on the independent runs: {sustained:.2f}")
-        console.print(summary_table(summarise(SOURCES, sustained), f"[FITTED] sustained_fraction {sustained:.2f}"))
+        console.print(summary_table(summarise(outcomes(SOURCES, sustained)), f"[FITTED] sustained_fraction {sustained:.2f}"))
     stacks, per_stack = one_run_calibration(STACKS)
     console.print(stacks)
     megatron = [m for name, means in per_stack.items() if name.startswith("Megatron-LM") for m in means]
@@ -382,15 +382,16 @@ def main() -> int:
     label = f"sustained_fraction {sustained:.2f}" if sustained is not None else "catalogue as shipped, nothing fitted"
     everything = [r for runs in SOURCES.values() for r in runs]
     console.print(table(everything, sustained, f"published runs ({label})"))
-    rows = summarise(SOURCES, sustained)
+    results = outcomes(SOURCES, sustained)
+    rows = summarise(results)
     console.print(summary_table(rows, f"per source ({label})"))
-    share = lowest_share(outcomes(SOURCES, sustained))
+    share = lowest_share(results)
     console.print(f"lowest share of its prediction a published run reached: {share:.3f} (catalogue.toml "
                   f"[validation] published_share_low: {load_catalogue().published_share_low}); leaving each "
                   "source out in turn, the stack range held "
                   f"{sum(round(row.inside_stack * row.runs) for row in rows)} of {len(everything)} published values",
                   markup=False)
-    all_errors = errors(everything, sustained)
+    all_errors = [o.predicted / o.run.published - 1 for o in results]
     console.print(f"all {len(everything)} runs: mean |error| {statistics.fmean(abs(e) for e in all_errors):.1%}, "
                   f"bias {statistics.fmean(all_errors):+.1%}, worst {max(all_errors, key=abs):+.1%}")
     speedups, speedup_errors = ratio_table(ratios(), sustained)
