@@ -1,6 +1,7 @@
 """DDP comm hooks on 2 gloo ranks: every compression hook sends the expected fraction of the plain
 all-reduce's bytes (within 5%) and averages the gradients; a bucket plan sets DDP's buckets."""
 
+import gc
 import json
 import os
 import socket
@@ -85,6 +86,12 @@ def _worker(rank: int, port: int, out: str) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
+    # The DDP modules go first, while the process group is still registered: a Reducer freed after
+    # destroy_process_group holds the group's last reference, and torch 2.13's ~ProcessGroupGloo then
+    # joins gloo's run-loop thread with the GIL held while that thread waits for the GIL (a rank hung
+    # so at exit in two fresh-clone CI runs; gdb backtrace in the session note).
+    del ddp
+    gc.collect()
     dist.destroy_process_group()
 
 
