@@ -9,8 +9,9 @@
 #   4. `ddlscope predict` of the same shape on h200:1x1 (fp32: the runs do not use mixed precision),
 #      beside the measured step time
 #   5. benchmarks/kernel_rates.py: each kernel kind of a transformer step (GEMMs at the published runs'
-#      layer shapes, unfused softmax + dropout, FlashAttention, element-wise passes, copy, fused AdamW)
-#      timed on the GPU beside the model's price for it (about 2 minutes)
+#      layer shapes, unfused softmax + dropout, FlashAttention, element-wise passes, copy, fused AdamW,
+#      and whole GPT blocks forward + backward) timed on the GPU beside the model's price for it
+#      (about 2 minutes)
 #
 # On the device machine (python3 there holds a CUDA torch; pydantic may have to travel as wheels
 # in .whl, see the device tool's README):

@@ -14,7 +14,13 @@ the same GPU:
 - element-wise: a layer's two layer norms, two dropout + residual adds and the GeLU, forward and
   backward, against `compute.layer_elementwise_times_s`;
 - copy: a device-to-device copy, against the datasheet bandwidth x `memory_fraction`;
-- adam: torch's fused AdamW step on fp32 parameters, against 28 bytes per parameter at that bandwidth.
+- adam: torch's fused AdamW step on fp32 parameters, against 28 bytes per parameter at that bandwidth;
+- layer: one whole pre-LN GPT block as eager PyTorch runs it (layer norms, the four weight GEMMs,
+  FlashAttention, GeLU, dropout + residual adds), forward and backward, against the sum the model
+  makes of it (`layer_times_s`: GEMMs + attention core + element-wise passes + launch gaps). The
+  kinds above check each price; this checks that a layer costs the sum of its kernels on the GPU,
+  with no communication: a ratio well above 1 here (and not above) is per-GPU framework time the
+  model does not price, the first suspect for the MosaicML runs' gap (docs/predict.md).
 
 A kernel benchmark is a hardware-level fact, the kind of source issue 23 admits for the model's
 constants (a training run's throughput is not): a ratio far from 1 says which constant or which
@@ -184,6 +190,62 @@ def copy_and_adam_kernels(dev: Device, device: torch.device, elements: int, repe
     return [copy, adam]
 
 
+def layer_times_s(model: ModelSpec, micro_batch: int, dev: Device) -> tuple[float, float]:
+    """(forward, backward) seconds the model prices one layer at on one GPU: tensor parallel 1, no
+    sequence parallelism, no communication (the sum `predict/model.py` makes for a micro-batch)."""
+    peak = dev.peak(model.dtype)
+    parts = (compute.layer_gemm_times_s(model, micro_batch, 1, dev, peak),
+             compute.attention_core_times_s(model, micro_batch, 1, dev, peak),
+             compute.layer_elementwise_times_s(model, micro_batch, 1, False, dev),
+             compute.kernel_gaps_s(dev))
+    return float(sum(f for f, _ in parts)), float(sum(b for _, b in parts))
+
+
+class Block(torch.nn.Module):
+    """One pre-LN GPT block, written out as the eager PyTorch of llm-foundry or nanoGPT runs it."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        context = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + F.dropout(self.proj(context), self.dropout, self.training)
+        return x + F.dropout(self.down(F.gelu(self.up(self.norm2(x)))), self.dropout, self.training)
+
+
+def layer_kernels(dev: Device, device: torch.device, layers: dict, micro_batch: int, seq: int,
+                  repeats: int) -> list[Kernel]:
+    """Whole blocks, forward and backward, bf16, against the model's sum of the block's kernels."""
+    out = []
+    for name, (h, heads, tp) in layers.items():
+        if tp != 1:  # a tensor-parallel layer's collectives are the network's, not this GPU's
+            continue
+        block = Block(h, heads).to(device=device, dtype=torch.bfloat16)
+        x = torch.randn(micro_batch, seq, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn_like(x)
+
+        def forward_backward():
+            for p in block.parameters():
+                p.grad = None  # a micro-batch's fresh gradients, no accumulation pass (priced apart)
+            block(x).backward(grad)
+
+        model = ModelSpec(hidden=h, heads=heads, layers=1, seq=seq, vocab=1, global_batch=micro_batch,
+                          attention="flash", dtype="bf16")
+        forward_s, backward_s = layer_times_s(model, micro_batch, dev)
+        out.append(Kernel("layer", f"{name} block, b{micro_batch} x seq {seq} fwd+bwd",
+                          timed_s(forward_backward, device, repeats), forward_s + backward_s))
+        del block, x, grad
+    return out
+
+
 def device_key(device: torch.device, against: str | None) -> str:
     if against:
         return against
@@ -228,6 +290,7 @@ def main() -> int:
         kernels += flash_kernels(dev, device, layers, micro_batch, repeats)
     kernels += elementwise_kernels(dev, device, layers, micro_batch if device.type == "cuda" else 1, repeats)
     kernels += copy_and_adam_kernels(dev, device, 2**20 if device.type == "cpu" else 2**28, repeats)
+    kernels += layer_kernels(dev, device, layers, micro_batch, 256 if device.type == "cpu" else SEQ, repeats)
     width = max(len(k.shape) for k in kernels)
     print(f"{'kind':16} {'shape':{width}} {'measured ms':>12} {'predicted ms':>13} {'measured/predicted':>19}")
     for k in kernels:

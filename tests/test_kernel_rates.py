@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddlscope.predict import compute
+import numpy as np
+import pytest
+
+from ddlscope.predict import ModelSpec, compute, parse_cluster
 from ddlscope.predict.catalogue import load_catalogue
+from ddlscope.predict.model import _kernel_times_s
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +25,7 @@ def test_the_kernel_check_runs_on_the_cpu_and_prices_each_kernel_as_the_model_do
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     kinds = {k["kind"] for k in result["kernels"]}
-    assert {"gemm", "element-wise", "copy", "adam"} <= kinds
+    assert {"gemm", "element-wise", "copy", "adam", "layer"} <= kinds
     assert all(k["measured_s"] > 0 and k["predicted_s"] > 0 for k in result["kernels"])
     h100 = load_catalogue().devices["h100"]
     first = result["kernels"][0]  # the 1.7B layer's QKV forward GEMM: 512 tokens x 3h x h
@@ -30,3 +34,10 @@ def test_the_kernel_check_runs_on_the_cpu_and_prices_each_kernel_as_the_model_do
     copy = next(k for k in result["kernels"] if k["kind"] == "copy")
     assert copy["predicted_s"] == 8 * 2**20 / (h100.memory_bandwidth_bytes_per_s * h100.efficiency.memory_fraction)
     assert set(result["summary"]) == kinds
+    # The whole block is priced as the step model prices a layer's micro-batch (forward + backward).
+    layer = next(k for k in result["kernels"] if k["kind"] == "layer")
+    assert layer["shape"].startswith("1.7B (h 2304) block, b1 x seq 256")
+    model = ModelSpec(hidden=2304, heads=24, layers=1, seq=256, vocab=1, global_batch=1, attention="flash")
+    forward, backward = _kernel_times_s(model, parse_cluster("h100:1x1"), 1, 1, np.array(False), 1,
+                                        h100.peak("bf16"))[:2]
+    assert layer["predicted_s"] == pytest.approx(float(forward + backward), rel=1e-12)
