@@ -237,3 +237,29 @@ def test_sustained_fraction_from_a_measured_step_reproduces_it(run, tmp_path):
                             "30", "--seq", "2048", "--vocab", "51200", "--global-batch", "512", *extra,
                             "--json").output)["top"][0]["step_time_s"] for extra in ([], ["--sustained-fraction", "0.8"])]
     assert plans[1] > plans[0]
+
+
+def test_gradient_reduction_and_accumulation_flags_match_the_toml_keys(run, main, tmp_path):
+    """--no-overlap-grad-reduce leaves the whole data-parallel all-reduce after the backward;
+    --fused-grad-accumulation removes the per-micro-batch accumulation pass; the TOML keys do the same."""
+    def breakdown(*extra: str) -> dict:
+        result = run(*FLAGS, *extra, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["breakdown_s"]
+
+    default = breakdown()
+    waited = breakdown("--no-overlap-grad-reduce")
+    fused = breakdown("--fused-grad-accumulation")
+    assert waited["dp_grad_sync"] > 2 * default["dp_grad_sync"] > 0
+    assert default["grad_accumulation"] > 0 and fused["grad_accumulation"] == 0
+    assert fused["dp_grad_sync"] == default["dp_grad_sync"]
+    config = tmp_path / "p.toml"
+    config.write_text("[parallel]\noverlap_grad_reduce = false\nfused_grad_accumulation = true\n")
+    both = run(*FLAGS[:1], str(config), *FLAGS[1:], "--json")
+    assert both.exit_code == 0, both.output
+    data = json.loads(both.output)["breakdown_s"]
+    assert data["dp_grad_sync"] == waited["dp_grad_sync"] and data["grad_accumulation"] == 0
+    config.write_text("[parallel]\nfused_grad_accumulation = 3\n")
+    code, _, err = main(*FLAGS[:1], str(config), *FLAGS[1:])
+    assert code == 2 and "parallel.fused_grad_accumulation = 3: must be true or false" in err
+    assert len(err.strip().splitlines()) == 1

@@ -28,6 +28,9 @@ A configuration for predict and plan comes from flags, from a TOML file, or both
     sequence_parallel = false
     interleave = 1
     schedule = "1f1b"             # or "gpipe"
+    overlap_grad_reduce = true    # false: the gradient reduction waits for the last backward
+                                  # (Megatron-LM's local DDP before 2023, DeepSpeed's pipeline engine)
+    fused_grad_accumulation = false  # true: Megatron-LM --gradient-accumulation-fusion
 
 A CNN (`name = "resnet50"`, `"vgg16"` or `"densenet121"`) takes `global_batch`,
 `image_size` (224 ImageNet, 32 CIFAR), `classes`, `dtype` (default fp32 at the
@@ -61,7 +64,7 @@ MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch
               "kv_heads", "gated_mlp", "image_size", "classes", "optimizer", "experts", "top_k", "capacity_factor",
               "expert_imbalance")
 PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
-                 "overlap_grad_reduce", "bucket_mb", "strategy")
+                 "overlap_grad_reduce", "fused_grad_accumulation", "bucket_mb", "strategy")
 TOP_KEYS = ("cluster", "spot", "sustained_fraction", "model", "parallel")
 CNN_MODELS = ("resnet50", "vgg16", "densenet121")  # = ddlscope.predict.cnn.CNN_MODELS (not imported at startup)
 MODELS = ("gpt", *CNN_MODELS)
@@ -135,6 +138,14 @@ def predict_command(
                                                               help="Megatron sequence parallelism (needs tp > 1).")] = None,
     interleave: Annotated[Optional[int], typer.Option("--interleave", help="Model chunks per pipeline stage.")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="1f1b or gpipe.")] = None,
+    overlap_grad_reduce: Annotated[Optional[bool], typer.Option(
+        "--overlap-grad-reduce/--no-overlap-grad-reduce",
+        help="Reduce data-parallel gradients in buckets during the last backward (default), or after it "
+             "(Megatron-LM's local DDP before 2023, DeepSpeed's pipeline engine).")] = None,
+    fused_grad_accumulation: Annotated[Optional[bool], typer.Option(
+        "--fused-grad-accumulation/--no-fused-grad-accumulation",
+        help="The weight-gradient GEMM adds into the gradient buffer (Megatron-LM "
+             "--gradient-accumulation-fusion); default: a separate pass per micro-batch.")] = None,
     attention: AttentionOpt = None,
     dtype: DtypeOpt = None,
     ffn_hidden: FfnOpt = None,
@@ -174,6 +185,7 @@ def predict_command(
     parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, cp=cp, ep=ep, pp=pp, dp=dp,
                            micro_batch=micro_batch, zero=zero, recompute=recompute,
                            sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule,
+                           overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation,
                            strategy=strategy)
     the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
                                                              "--cluster (or cluster in the config file)"),
@@ -515,7 +527,7 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
     schedule = kwargs.get("schedule", "1f1b")
     if schedule not in SCHEDULE_CODES:
         raise ConfigError(f"--schedule = {schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
-    for key in ("sequence_parallel", "overlap_grad_reduce"):
+    for key in ("sequence_parallel", "overlap_grad_reduce", "fused_grad_accumulation"):
         if key in kwargs and not isinstance(kwargs[key], bool):
             raise ConfigError(f"parallel.{key} = {kwargs[key]!r}: must be true or false")
     if "dp" not in kwargs:
