@@ -263,3 +263,25 @@ def test_gradient_reduction_and_accumulation_flags_match_the_toml_keys(run, main
     code, _, err = main(*FLAGS[:1], str(config), *FLAGS[1:])
     assert code == 2 and "parallel.fused_grad_accumulation = 3: must be true or false" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_plan_keeps_the_stacks_gradient_handling_for_every_layout(run, main, tmp_path):
+    """plan --no-overlap-grad-reduce (or the [parallel] key) prices each layout it ranks as predict does with
+    the same key; a CNN's plan refuses fused_grad_accumulation, in one line."""
+    model = ("--cluster a100-80gb:8x8 --hidden 3072 --heads 32 --layers 30 --seq 2048 --vocab 51200 "
+             "--global-batch 512").split()
+    config = tmp_path / "p.toml"
+    config.write_text("[parallel]\noverlap_grad_reduce = false\n")
+    ranked = json.loads(run("plan", *model, "--top", "20", "--json", "--no-overlap-grad-reduce").output)["top"]
+    assert json.loads(run("plan", str(config), *model, "--top", "20", "--json").output)["top"] == ranked
+    # a layout whose gradients are all-reduced at the end of the step (ZeRO 0/1 over dp > 1)
+    row = next(r for r in ranked if r["parallel"]["zero"] <= 1 and r["parallel"]["dp"] > 1)
+    layout = [f"--{k.replace('_', '-')}={v}" for k, v in row["parallel"].items()
+              if k in ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "interleave", "schedule")]
+    waited, overlapped = (run("predict", *extra, *model, *layout, "--json") for extra in ([str(config)], []))
+    assert waited.exit_code == 0 and overlapped.exit_code == 0, waited.output + overlapped.output
+    assert json.loads(waited.output)["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-9)
+    assert json.loads(overlapped.output)["breakdown_s"]["dp_grad_sync"] < row["breakdown_s"]["dp_grad_sync"]
+    code, _, err = main("plan", "--cluster", "a100-80gb:1x8", "--model", "resnet50", "--global-batch", "256",
+                        "--fused-grad-accumulation")
+    assert code == 2 and "fused_grad_accumulation is a GPT option" in err and len(err.strip().splitlines()) == 1

@@ -18,7 +18,7 @@ A configuration for predict and plan comes from flags, from a TOML file, or both
     ffn_hidden = 0                # 0: 4 x hidden
     kv_heads = 0                  # 0: = heads; fewer = grouped-query attention
     gated_mlp = false             # true: SwiGLU MLP (Llama)
-    [parallel]                    # predict only; plan searches these
+    [parallel]                    # predict; plan searches the layout, keeps the last two
     tp = 8
     pp = 35
     dp = 8                        # default: GPUs / (tp x pp)
@@ -108,6 +108,14 @@ PredictCalibrationOpt = Annotated[Optional[Path], typer.Option(
                           f"{CALIBRATION_DEFAULT}")]
 PlanCalibrationOpt = Annotated[Optional[Path], typer.Option(
     "--calibration", help=f"For a local:1xN cluster: profile TOML from `ddlscope calibrate` {CALIBRATION_DEFAULT}")]
+OverlapGradReduceOpt = Annotated[Optional[bool], typer.Option(
+    "--overlap-grad-reduce/--no-overlap-grad-reduce",
+    help="Reduce data-parallel gradients in buckets during the last backward (default), or after it "
+         "(Megatron-LM's local DDP before 2023, DeepSpeed's pipeline engine).")]
+FusedGradAccumulationOpt = Annotated[Optional[bool], typer.Option(
+    "--fused-grad-accumulation/--no-fused-grad-accumulation",
+    help="The weight-gradient GEMM adds into the gradient buffer (Megatron-LM --gradient-accumulation-fusion); "
+         "default: a separate pass per micro-batch.")]
 PredictDbOpt = Annotated[Path, db_option("The store (for --against, and calibrations).")]
 PlanDbOpt = Annotated[Path, db_option("The store (for calibrations).")]
 SustainedOpt = Annotated[Optional[float], typer.Option(
@@ -138,14 +146,8 @@ def predict_command(
                                                               help="Megatron sequence parallelism (needs tp > 1).")] = None,
     interleave: Annotated[Optional[int], typer.Option("--interleave", help="Model chunks per pipeline stage.")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="1f1b or gpipe.")] = None,
-    overlap_grad_reduce: Annotated[Optional[bool], typer.Option(
-        "--overlap-grad-reduce/--no-overlap-grad-reduce",
-        help="Reduce data-parallel gradients in buckets during the last backward (default), or after it "
-             "(Megatron-LM's local DDP before 2023, DeepSpeed's pipeline engine).")] = None,
-    fused_grad_accumulation: Annotated[Optional[bool], typer.Option(
-        "--fused-grad-accumulation/--no-fused-grad-accumulation",
-        help="The weight-gradient GEMM adds into the gradient buffer (Megatron-LM "
-             "--gradient-accumulation-fusion); default: a separate pass per micro-batch.")] = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    fused_grad_accumulation: FusedGradAccumulationOpt = None,
     attention: AttentionOpt = None,
     dtype: DtypeOpt = None,
     ffn_hidden: FfnOpt = None,
@@ -253,6 +255,8 @@ def plan_command(
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
     sustained_fraction: SustainedOpt = None,
+    overlap_grad_reduce: OverlapGradReduceOpt = None,
+    fused_grad_accumulation: FusedGradAccumulationOpt = None,
     burst: Annotated[bool, typer.Option("--burst", help="CNN: a data-parallel degree per unit (burst parallelism, "
                                         "DeepPool): its predicted gain over uniform data parallelism and the "
                                         "cluster throughput when the freed GPUs run a background job.")] = False,
@@ -275,7 +279,10 @@ def plan_command(
                         dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
                         image_size=image_size, classes=classes, experts=experts, top_k=top_k,
                         capacity_factor=capacity_factor, expert_imbalance=expert_imbalance)
-    _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS)  # checked, then searched over
+    # checked; the layout is searched over, the stack's gradient handling holds for every layout
+    stack = _gradient_handling(_merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS,
+                                       overlap_grad_reduce=overlap_grad_reduce,
+                                       fused_grad_accumulation=fused_grad_accumulation))
     if by not in ("time", "cost"):
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
     if max_micro_batch < 1:
@@ -290,11 +297,13 @@ def plan_command(
     if _is_cnn(model_raw):
         from ddlscope.predict.cnn_predict import plan_cnn
 
+
         result = plan_cnn(_cnn_spec(model_raw), the_cluster, top=top, rank_by=by, spot=use_spot,
-                          max_micro_batch=max_micro_batch)
+                          max_micro_batch=max_micro_batch, **stack)
     else:
         spec = _model_spec(model_raw)
-        result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch)
+        result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch,
+                      **stack)
     if as_json:
         print(json.dumps({
             "cluster": result.cluster, "by": result.rank_by, "evaluated": result.evaluated,
@@ -527,9 +536,9 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
     schedule = kwargs.get("schedule", "1f1b")
     if schedule not in SCHEDULE_CODES:
         raise ConfigError(f"--schedule = {schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
-    for key in ("sequence_parallel", "overlap_grad_reduce", "fused_grad_accumulation"):
-        if key in kwargs and not isinstance(kwargs[key], bool):
-            raise ConfigError(f"parallel.{key} = {kwargs[key]!r}: must be true or false")
+    _gradient_handling(kwargs)
+    if "sequence_parallel" in kwargs and not isinstance(kwargs["sequence_parallel"], bool):
+        raise ConfigError(f"parallel.sequence_parallel = {kwargs['sequence_parallel']!r}: must be true or false")
     if "dp" not in kwargs:
         tp, pp, cp = kwargs.get("tp", 1), kwargs.get("pp", 1), kwargs.get("cp", 1)
         if n_gpus % (tp * pp * cp):
@@ -538,6 +547,15 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
         kwargs["dp"] = n_gpus // (tp * pp * cp)
     known = {f.name for f in fields(ParallelSpec)}
     return ParallelSpec(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def _gradient_handling(parallel_raw: dict[str, Any]) -> dict[str, bool]:
+    """The [parallel] keys that describe the stack rather than the layout, checked: true or false."""
+    stack = {k: parallel_raw[k] for k in ("overlap_grad_reduce", "fused_grad_accumulation") if k in parallel_raw}
+    for key, value in stack.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"parallel.{key} = {value!r}: must be true or false")
+    return stack
 
 
 def _int(value: Any, name: str, minimum: int) -> int:

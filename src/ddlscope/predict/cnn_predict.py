@@ -97,6 +97,9 @@ def validate_cnn_parallel(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluste
                               "(tp = pp = interleave = 1)")
     if parallel.recompute != "none" or parallel.sequence_parallel:
         raise ConfigError("recompute and sequence parallelism are GPT options: a CNN takes neither")
+    if parallel.fused_grad_accumulation:
+        raise ConfigError("fused_grad_accumulation is a GPT option (Megatron-LM's weight-gradient GEMM adding into "
+                          "its buffer): a CNN does not take it")
     if parallel.zero not in (0, 3):
         raise ConfigError(f"zero = {parallel.zero}: for a CNN 0 (DDP, or a parameter server) or 3 (FSDP)")
     if parallel.micro_batch < 1 or parallel.dp < 1:
@@ -244,9 +247,11 @@ def label(p: CNNPrediction) -> str:
 
 
 def plan_cnn(spec: CNNSpec, cluster: Cluster, top: int = 5, rank_by: str = "time", spot: bool = False,
-             max_micro_batch: int = 64) -> PlanResult:
+             max_micro_batch: int = 64, overlap_grad_reduce: bool = True,
+             fused_grad_accumulation: bool = False) -> PlanResult:
     """Every synchronous strategy (DDP, FSDP, ps-sync where the catalogue has the host) x every
-    micro-batch dividing the per-GPU batch; by cost also every smaller whole number of nodes."""
+    micro-batch dividing the per-GPU batch; by cost also every smaller whole number of nodes.
+    `overlap_grad_reduce` (the stack's) holds for each; `fused_grad_accumulation` is refused by predict_cnn."""
     if rank_by not in ("time", "cost"):
         raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
     if top < 1:
@@ -263,7 +268,9 @@ def plan_cnn(spec: CNNSpec, cluster: Cluster, top: int = 5, rank_by: str = "time
         strategies = [s for s in PLAN_STRATEGIES if not s.startswith("ps") or sub.node.host_memory_bytes_per_s]
         for b in divisors(spec.global_batch // n, max_micro_batch):
             for strategy in strategies:
-                parallel = ParallelSpec(dp=n, micro_batch=b, zero=3 if strategy == "fsdp" else 0)
+                parallel = ParallelSpec(dp=n, micro_batch=b, zero=3 if strategy == "fsdp" else 0,
+                                        overlap_grad_reduce=overlap_grad_reduce,
+                                        fused_grad_accumulation=fused_grad_accumulation)
                 scored.append(predict_cnn(spec, parallel, sub, strategy, spot))
     search_s = time.perf_counter() - start
     if not scored and spec.global_batch % cluster.n_gpus:

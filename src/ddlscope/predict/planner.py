@@ -113,11 +113,14 @@ def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigAr
 
 
 def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "time", spot: bool = False,
-         max_micro_batch: int = MAX_MICRO_BATCH) -> PlanResult:
+         max_micro_batch: int = MAX_MICRO_BATCH, overlap_grad_reduce: bool = True,
+         fused_grad_accumulation: bool = False) -> PlanResult:
     """The `top` fastest (or cheapest per step) configurations that fit, each with why it beats the next.
 
     Ranking by cost also tries every smaller whole number of nodes that divides
     the cluster: fewer GPUs can cost less per step even when each step is slower.
+    `overlap_grad_reduce` and `fused_grad_accumulation` describe the software stack (ParallelSpec):
+    they hold for every configuration searched, not searched over.
     """
     if rank_by not in ("time", "cost"):
         raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
@@ -133,6 +136,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     for nodes in node_counts:
         sub = cluster if nodes == cluster.nodes else make_cluster(cluster.name, nodes, cluster.gpus_per_node)
         configs = candidate_configs(model, sub, max_micro_batch)
+        configs.overlap_grad_reduce, configs.fused_grad_accumulation = overlap_grad_reduce, fused_grad_accumulation
         if len(configs):
             scored.append((sub, configs, evaluate(model, sub, configs)))
             evaluated += len(configs)
