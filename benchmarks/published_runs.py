@@ -4,9 +4,10 @@ Default: per run, the published per-GPU throughput (or MFU), the prediction
 with the catalogue as shipped (no constant fitted to any training run), the
 error and the predicted range (every measured kernel efficiency at either end
 of its published sources); then per source the mean absolute error, the bias
-(mean signed error) and the share of published values inside the range; and
-published speed-ups between two runs of one setup, which test the mechanisms
-whatever the efficiency constants are.
+(mean signed error) and the share of published values inside the range; two
+sources that publish one setup, and how far apart they are (what bounds any
+model's per-source error); and published speed-ups between two runs of one
+setup, which test the mechanisms whatever the efficiency constants are.
 
 `--calibrate` is a separate, labelled mode that does fit: per software stack,
 each run in turn sets `sustained_fraction` (as `ddlscope predict
@@ -178,6 +179,51 @@ def ratios(global_batch: int = RATIO_BATCH) -> list[Ratio]:
         Ratio("weak scaling: 1T on 3072 A100 vs 1.7B on 32 A100, TFLOP/s per GPU (163 vs 137)",
               "Narayanan et al. 2021, Table 1", INDEPENDENT[9], INDEPENDENT[0], 163 / 137),
     ]
+
+
+@dataclass(frozen=True)
+class SameSetup:
+    """Two sources that publish one setup (model, GPUs, layout): their ratio bounds what any model can do.
+
+    Both within 5% of their published figures needs the model's ratio of the two within
+    `published_ratio x [0.95/1.05, 1.05/0.95]`; what the two runs' stated setups differ in is all a model
+    without the stack's own numbers can use to reach it."""
+    label: str
+    first: Run
+    second: Run
+    differences: str
+
+
+# MT-NLG (DeepSpeed's pipeline engine + Megatron-LM's tensor parallelism, 2021) and Megatron-LM a year later
+# (Korthikanti et al. 2022, full recompute): the 530B GPT, 2240 A100 80GB, TP 8 / PP 35 / DP 8, micro-batch 1.
+SAME_SETUPS = [
+    SameSetup("530B GPT on 2240 A100, TP 8 / PP 35 / DP 8, full recompute: Korthikanti et al. 2022 vs MT-NLG",
+              MEGATRON_2022[0], MT_NLG[0],
+              "stated: gradient-accumulation fusion, ZeRO 0 vs 1, interleaving allowed (1 or 3) vs not"),
+]
+
+
+def published_mfu(run: Run) -> float:
+    """The run's published figure as MFU: a TFLOP/s figure counts hardware FLOPs (recomputation included), and
+    the model's MFU / TFLOP/s ratio for the run's setup converts it (FLOP accounting only, no time)."""
+    if run.metric == "mfu":
+        return run.published
+    spec = ParallelSpec(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch=run.micro_batches[0], recompute=run.recompute,
+                        zero=run.zero, sequence_parallel=run.sequence_parallel)
+    p = predict(run.model, spec, parse_cluster(run.cluster))
+    return run.published * p.mfu / p.tflops_per_gpu
+
+
+def same_setup_table(rows: list[SameSetup], sustained: float | None) -> Table:
+    t = Table("setup", "published MFU", "published ratio", "model's ratio", "both within 5% needs",
+              "what the setups differ in", title="one setup, two sources")
+    for r in rows:
+        first, second = published_mfu(r.first), published_mfu(r.second)
+        mfu = lambda run: predicted(replace(run, metric="mfu"), sustained)[0]  # noqa: E731
+        published, model = first / second, mfu(r.first) / mfu(r.second)
+        t.add_row(r.label, f"{first:.1%} vs {second:.1%}", f"{published:.3f}x", f"{model:.3f}x",
+                  f"{published * 0.95 / 1.05:.3f}x-{published * 1.05 / 0.95:.3f}x", r.differences)
+    return t
 
 
 def ratio_table(rows: list[Ratio], sustained: float | None) -> tuple[Table, list[float]]:
@@ -394,6 +440,7 @@ def main() -> int:
     all_errors = [o.predicted / o.run.published - 1 for o in results]
     console.print(f"all {len(everything)} runs: mean |error| {statistics.fmean(abs(e) for e in all_errors):.1%}, "
                   f"bias {statistics.fmean(all_errors):+.1%}, worst {max(all_errors, key=abs):+.1%}")
+    console.print(same_setup_table(SAME_SETUPS, sustained))
     speedups, speedup_errors = ratio_table(ratios(), sustained)
     console.print(speedups)
     console.print(f"speed-ups: mean |error| {statistics.fmean(abs(e) for e in speedup_errors):.1%}")
