@@ -22,6 +22,7 @@ set -uo pipefail
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 STEPS=${STEPS:-20}
 HIDDEN=${HIDDEN:-1024} LAYERS=${LAYERS:-8} HEADS=${HEADS:-16} SEQ=${SEQ:-512}
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
