@@ -297,7 +297,6 @@ def plan_command(
     if _is_cnn(model_raw):
         from ddlscope.predict.cnn_predict import plan_cnn
 
-
         result = plan_cnn(_cnn_spec(model_raw), the_cluster, top=top, rank_by=by, spot=use_spot,
                           max_micro_batch=max_micro_batch, **stack)
     else:
