@@ -20,7 +20,9 @@ the same GPU:
   makes of it (`layer_times_s`: GEMMs + attention core + element-wise passes + launch gaps). The
   kinds above check each price; this checks that a layer costs the sum of its kernels on the GPU,
   with no communication: a ratio well above 1 here (and not above) is per-GPU framework time the
-  model does not price, the first suspect for the MosaicML runs' gap (docs/predict.md).
+  model does not price, the first suspect for the MosaicML runs' gap (docs/predict.md). One call of
+  each block runs under torch.profiler and is split into the model's parts (GEMMs, attention,
+  element-wise, idle between kernels) by kernel name, each beside the model's price for it.
 
 A kernel benchmark is a hardware-level fact, the kind of source issue 23 admits for the model's
 constants (a training run's throughput is not): a ratio far from 1 says which constant or which
@@ -190,15 +192,59 @@ def copy_and_adam_kernels(dev: Device, device: torch.device, elements: int, repe
     return [copy, adam]
 
 
-def layer_times_s(model: ModelSpec, micro_batch: int, dev: Device) -> tuple[float, float]:
-    """(forward, backward) seconds the model prices one layer at on one GPU: tensor parallel 1, no
-    sequence parallelism, no communication (the sum `predict/model.py` makes for a micro-batch)."""
+LAYER_PARTS = ("GEMMs", "attention", "element-wise", "idle")
+
+
+def layer_parts_s(model: ModelSpec, micro_batch: int, dev: Device) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds the model prices one layer's parts at on one GPU: tensor parallel 1, no
+    sequence parallelism, no communication (what `predict/model.py` sums for a micro-batch); "idle" is the
+    launch gaps between kernels."""
     peak = dev.peak(model.dtype)
     parts = (compute.layer_gemm_times_s(model, micro_batch, 1, dev, peak),
              compute.attention_core_times_s(model, micro_batch, 1, dev, peak),
              compute.layer_elementwise_times_s(model, micro_batch, 1, False, dev),
              compute.kernel_gaps_s(dev))
-    return float(sum(f for f, _ in parts)), float(sum(b for _, b in parts))
+    return {name: (float(f), float(b)) for name, (f, b) in zip(LAYER_PARTS, parts)}
+
+
+def layer_times_s(model: ModelSpec, micro_batch: int, dev: Device) -> tuple[float, float]:
+    """(forward, backward) seconds of the whole layer: the sum of `layer_parts_s`."""
+    parts = layer_parts_s(model, micro_batch, dev).values()
+    return sum(f for f, _ in parts), sum(b for _, b in parts)
+
+
+# Kernel (CUDA) or operator (CPU) names by part of the layer, tried in this order; the rest is element-wise
+# (layer norms, GeLU, dropout, adds, copies). cuBLAS names its GEMM kernels *gemm*, *xmma* or nvjet*
+# (CUDA 12), CUTLASS cutlass*; PyTorch's FlashAttention kernels flash_*, its memory-efficient ones fmha_*.
+PROFILE_NAMES = (("attention", ("flash", "fmha", "attention", "scaled_dot_product")),
+                 ("GEMMs", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::bmm")))
+
+
+def part_of(name: str) -> str:
+    low = name.lower()
+    return next((part for part, needles in PROFILE_NAMES if any(n in low for n in needles)), "element-wise")
+
+
+def profiled_parts_s(run: Callable[[], object], device: torch.device, wall_s: float) -> dict[str, float]:
+    """Seconds per part of one call under torch.profiler: on a GPU each kernel's device time by its name;
+    on a CPU each operator's own time. "idle" is `wall_s` (the call's median time) less all of them: on a
+    GPU the time it waits between kernels, on a CPU the framework's time outside the operators."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    own = DeviceType.CUDA if cuda else DeviceType.CPU  # a GPU's kernels, not the CPU ops that launched them
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    parts = dict.fromkeys(LAYER_PARTS, 0.0)
+    for event in prof.key_averages():
+        own_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if event.device_type == own and own_us > 0:
+            parts[part_of(event.key)] += own_us / 1e6
+    parts["idle"] = max(wall_s - sum(parts.values()), 0.0)
+    return parts
 
 
 class Block(torch.nn.Module):
@@ -221,10 +267,18 @@ class Block(torch.nn.Module):
         return x + F.dropout(self.down(F.gelu(self.up(self.norm2(x)))), self.dropout, self.training)
 
 
+@dataclass
+class LayerProfile:
+    shape: str
+    measured_s: dict[str, float]  # by part, one profiled call
+    predicted_s: dict[str, float]
+
+
 def layer_kernels(dev: Device, device: torch.device, layers: dict, micro_batch: int, seq: int,
-                  repeats: int) -> list[Kernel]:
-    """Whole blocks, forward and backward, bf16, against the model's sum of the block's kernels."""
-    out = []
+                  repeats: int) -> tuple[list[Kernel], list[LayerProfile]]:
+    """Whole blocks, forward and backward, bf16, against the model's sum of the block's kernels; and
+    each block's time split into the model's parts, measured under the profiler."""
+    out, profiles = [], []
     for name, (h, heads, tp) in layers.items():
         if tp != 1:  # a tensor-parallel layer's collectives are the network's, not this GPU's
             continue
@@ -240,10 +294,13 @@ def layer_kernels(dev: Device, device: torch.device, layers: dict, micro_batch: 
         model = ModelSpec(hidden=h, heads=heads, layers=1, seq=seq, vocab=1, global_batch=micro_batch,
                           attention="flash", dtype="bf16")
         forward_s, backward_s = layer_times_s(model, micro_batch, dev)
-        out.append(Kernel("layer", f"{name} block, b{micro_batch} x seq {seq} fwd+bwd",
-                          timed_s(forward_backward, device, repeats), forward_s + backward_s))
+        shape = f"{name} block, b{micro_batch} x seq {seq} fwd+bwd"
+        measured_s = timed_s(forward_backward, device, repeats)
+        out.append(Kernel("layer", shape, measured_s, forward_s + backward_s))
+        profiles.append(LayerProfile(shape, profiled_parts_s(forward_backward, device, measured_s),
+                                     {k: f + b for k, (f, b) in layer_parts_s(model, micro_batch, dev).items()}))
         del block, x, grad
-    return out
+    return out, profiles
 
 
 def device_key(device: torch.device, against: str | None) -> str:
@@ -290,7 +347,9 @@ def main() -> int:
         kernels += flash_kernels(dev, device, layers, micro_batch, repeats)
     kernels += elementwise_kernels(dev, device, layers, micro_batch if device.type == "cuda" else 1, repeats)
     kernels += copy_and_adam_kernels(dev, device, 2**20 if device.type == "cpu" else 2**28, repeats)
-    kernels += layer_kernels(dev, device, layers, micro_batch, 256 if device.type == "cpu" else SEQ, repeats)
+    layer_kinds, profiles = layer_kernels(dev, device, layers, micro_batch, 256 if device.type == "cpu" else SEQ,
+                                          repeats)
+    kernels += layer_kinds
     width = max(len(k.shape) for k in kernels)
     print(f"{'kind':16} {'shape':{width}} {'measured ms':>12} {'predicted ms':>13} {'measured/predicted':>19}")
     for k in kernels:
@@ -299,10 +358,15 @@ def main() -> int:
     for kind, s in totals.items():
         print(f"{kind}: measured/predicted geometric mean {s['geomean']:.3f} "
               f"({s['low']:.3f}-{s['high']:.3f}, {s['kernels']} kernels)")
+    for profile in profiles:
+        print(f"{profile.shape}, by part (one profiled call): measured ms / predicted ms")
+        for part in LAYER_PARTS:
+            measured, predicted = profile.measured_s[part], profile.predicted_s[part]
+            print(f"  {part:13} {measured * 1e3:10.3f} {predicted * 1e3:10.3f}  x{measured / predicted:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "against": key, "kernels": [asdict(k) | {"ratio": k.ratio} for k in kernels],
-                       "summary": totals}, f, indent=1)
+                       "summary": totals, "layer_profiles": [asdict(p) for p in profiles]}, f, indent=1)
     return 0
 
 

@@ -41,3 +41,13 @@ def test_the_kernel_check_runs_on_the_cpu_and_prices_each_kernel_as_the_model_do
     forward, backward = _kernel_times_s(model, parse_cluster("h100:1x1"), 1, 1, np.array(False), 1,
                                         h100.peak("bf16"))[:2]
     assert layer["predicted_s"] == pytest.approx(float(forward + backward), rel=1e-12)
+    # ... and split into the model's parts: each priced as the model prices it, each measured by name.
+    profile = result["layer_profiles"][0]
+    assert profile["shape"] == layer["shape"]
+    assert list(profile["predicted_s"]) == ["GEMMs", "attention", "element-wise", "idle"]
+    assert sum(profile["predicted_s"].values()) == pytest.approx(layer["predicted_s"], rel=1e-12)
+    assert profile["predicted_s"]["idle"] == pytest.approx(36 * h100.efficiency.kernel_overhead_s)
+    measured = profile["measured_s"]
+    assert min(measured["GEMMs"], measured["attention"], measured["element-wise"]) > 0
+    # the block's matmuls are most of its work on a CPU, far more than its layer norms, GeLU and adds
+    assert measured["GEMMs"] > measured["element-wise"]
