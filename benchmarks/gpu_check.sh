@@ -72,7 +72,7 @@ EOF
 
 echo "== 5. the model's kernel prices against this GPU (benchmarks/kernel_rates.py; issue 23)"
 if [ "$DEVICE" = cuda ]; then
-    timeout 180 "$PY" benchmarks/kernel_rates.py --json "$OUT/kernels.json" 2>&1 | tail -60 || echo "kernel check failed"
+    timeout 180 "$PY" benchmarks/kernel_rates.py --json "$OUT/kernels.json" 2>&1 | grep -v "^USDT:" | tail -100 || echo "kernel check failed"
 else
     timeout 180 "$PY" benchmarks/kernel_rates.py --device cpu --against h100 --quick --json "$OUT/kernels.json" \
         2>&1 | tail -8 || echo "kernel check failed"
