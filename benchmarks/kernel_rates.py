@@ -17,7 +17,7 @@ the same GPU:
 - adam: torch's fused AdamW step on fp32 parameters, against 28 bytes per parameter at that bandwidth;
 - layer: one whole pre-LN GPT block as eager PyTorch runs it (layer norms, the four weight GEMMs,
   FlashAttention, GeLU, dropout + residual adds), forward and backward, against the sum the model
-  makes of it (`layer_times_s`: GEMMs + attention core + element-wise passes + launch gaps). The
+  makes of it (`layer_parts_s`: GEMMs + attention core + element-wise passes + launch gaps). The
   kinds above check each price; this checks that a layer costs the sum of its kernels on the GPU,
   with no communication: a ratio well above 1 here (and not above) is per-GPU framework time the
   model does not price, the first suspect for the MosaicML runs' gap (docs/predict.md). One call of
@@ -195,22 +195,16 @@ def copy_and_adam_kernels(dev: Device, device: torch.device, elements: int, repe
 LAYER_PARTS = ("GEMMs", "attention", "element-wise", "idle")
 
 
-def layer_parts_s(model: ModelSpec, micro_batch: int, dev: Device) -> dict[str, tuple[float, float]]:
-    """(forward, backward) seconds the model prices one layer's parts at on one GPU: tensor parallel 1, no
+def layer_parts_s(model: ModelSpec, micro_batch: int, dev: Device) -> dict[str, float]:
+    """Forward + backward seconds the model prices one layer's parts at on one GPU: tensor parallel 1, no
     sequence parallelism, no communication (what `predict/model.py` sums for a micro-batch); "idle" is the
-    launch gaps between kernels."""
+    launch gaps between kernels. The layer's price is their sum."""
     peak = dev.peak(model.dtype)
     parts = (compute.layer_gemm_times_s(model, micro_batch, 1, dev, peak),
              compute.attention_core_times_s(model, micro_batch, 1, dev, peak),
              compute.layer_elementwise_times_s(model, micro_batch, 1, False, dev),
              compute.kernel_gaps_s(dev))
-    return {name: (float(f), float(b)) for name, (f, b) in zip(LAYER_PARTS, parts)}
-
-
-def layer_times_s(model: ModelSpec, micro_batch: int, dev: Device) -> tuple[float, float]:
-    """(forward, backward) seconds of the whole layer: the sum of `layer_parts_s`."""
-    parts = layer_parts_s(model, micro_batch, dev).values()
-    return sum(f for f, _ in parts), sum(b for _, b in parts)
+    return {name: float(f + b) for name, (f, b) in zip(LAYER_PARTS, parts)}
 
 
 # Kernel (CUDA) or operator (CPU) names by part of the layer, tried in this order; the rest is element-wise
@@ -293,12 +287,11 @@ def layer_kernels(dev: Device, device: torch.device, layers: dict, micro_batch: 
 
         model = ModelSpec(hidden=h, heads=heads, layers=1, seq=seq, vocab=1, global_batch=micro_batch,
                           attention="flash", dtype="bf16")
-        forward_s, backward_s = layer_times_s(model, micro_batch, dev)
+        predicted = layer_parts_s(model, micro_batch, dev)
         shape = f"{name} block, b{micro_batch} x seq {seq} fwd+bwd"
         measured_s = timed_s(forward_backward, device, repeats)
-        out.append(Kernel("layer", shape, measured_s, forward_s + backward_s))
-        profiles.append(LayerProfile(shape, profiled_parts_s(forward_backward, device, measured_s),
-                                     {k: f + b for k, (f, b) in layer_parts_s(model, micro_batch, dev).items()}))
+        out.append(Kernel("layer", shape, measured_s, sum(predicted.values())))
+        profiles.append(LayerProfile(shape, profiled_parts_s(forward_backward, device, measured_s), predicted))
         del block, x, grad
     return out, profiles
 
