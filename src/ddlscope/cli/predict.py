@@ -280,9 +280,9 @@ def plan_command(
                         image_size=image_size, classes=classes, experts=experts, top_k=top_k,
                         capacity_factor=capacity_factor, expert_imbalance=expert_imbalance)
     # checked; the layout is searched over, the stack's gradient handling holds for every layout
-    stack = _gradient_handling(_merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS,
-                                       overlap_grad_reduce=overlap_grad_reduce,
-                                       fused_grad_accumulation=fused_grad_accumulation))
+    stack = _booleans(_merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS,
+                              overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation),
+                      STACK_KEYS)
     if by not in ("time", "cost"):
         raise ConfigError(f"--by = {by!r}: allowed: time, cost")
     if max_micro_batch < 1:
@@ -535,9 +535,7 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
     schedule = kwargs.get("schedule", "1f1b")
     if schedule not in SCHEDULE_CODES:
         raise ConfigError(f"--schedule = {schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
-    _gradient_handling(kwargs)
-    if "sequence_parallel" in kwargs and not isinstance(kwargs["sequence_parallel"], bool):
-        raise ConfigError(f"parallel.sequence_parallel = {kwargs['sequence_parallel']!r}: must be true or false")
+    _booleans(kwargs, ("sequence_parallel", *STACK_KEYS))
     if "dp" not in kwargs:
         tp, pp, cp = kwargs.get("tp", 1), kwargs.get("pp", 1), kwargs.get("cp", 1)
         if n_gpus % (tp * pp * cp):
@@ -548,13 +546,17 @@ def _parallel_spec(raw: dict[str, Any], n_gpus: int):
     return ParallelSpec(**{k: v for k, v in kwargs.items() if k in known})
 
 
-def _gradient_handling(parallel_raw: dict[str, Any]) -> dict[str, bool]:
-    """The [parallel] keys that describe the stack rather than the layout, checked: true or false."""
-    stack = {k: parallel_raw[k] for k in ("overlap_grad_reduce", "fused_grad_accumulation") if k in parallel_raw}
-    for key, value in stack.items():
+# [parallel] keys that describe the software stack rather than the layout: plan keeps them for every layout
+STACK_KEYS = ("overlap_grad_reduce", "fused_grad_accumulation")
+
+
+def _booleans(parallel_raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, bool]:
+    """Those of `keys` that [parallel] (or a flag) gives, checked: true or false."""
+    given = {k: parallel_raw[k] for k in keys if k in parallel_raw}
+    for key, value in given.items():
         if not isinstance(value, bool):
             raise ConfigError(f"parallel.{key} = {value!r}: must be true or false")
-    return stack
+    return given
 
 
 def _int(value: Any, name: str, minimum: int) -> int:
