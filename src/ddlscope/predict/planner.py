@@ -18,7 +18,7 @@ import numpy as np
 
 from ddlscope.predict.catalogue import Cluster, make_cluster
 from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
-from ddlscope.predict.predictor import prediction_from_arrays, prediction_range, stack_range, validate_model
+from ddlscope.predict.predictor import prediction_from_arrays, validate_model, with_ranges
 from ddlscope.predict.specs import RECOMPUTE_CODES, ModelSpec, Prediction
 from ddlscope.specs import ConfigError
 
@@ -151,9 +151,8 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     rows = []
     for r, (k, i) in enumerate(order[:top]):
         sub, configs, out = scored[k]
-        pred = prediction_from_arrays(out, i, model, configs.spec(i), sub, spot)
-        pred.range = prediction_range(model, sub, configs.take(np.array([i])))
-        pred.stack_range = stack_range(pred, sub)
+        pred = with_ranges(prediction_from_arrays(out, i, model, configs.spec(i), sub, spot), model, sub,
+                           configs.take(np.array([i])))
         runner_up = order[r + 1] if r + 1 < len(order) else None
         why = _why(scored, (k, i), runner_up, key) if runner_up else "no other configuration fits"
         rows.append(PlanRow(rank=r + 1, prediction=pred, why=why))

@@ -99,7 +99,11 @@ def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bo
     validate(model, parallel, cluster)
     configs = ConfigArrays.from_specs([parallel])
     out = evaluate(model, cluster, configs)
-    prediction = prediction_from_arrays(out, 0, model, parallel, cluster, spot)
+    return with_ranges(prediction_from_arrays(out, 0, model, parallel, cluster, spot), model, cluster, configs)
+
+
+def with_ranges(prediction: Prediction, model: ModelSpec, cluster: Cluster, configs: ConfigArrays) -> Prediction:
+    """`prediction` (of `configs`' one configuration) with its kernel range and its stack range set."""
     prediction.range = prediction_range(model, cluster, configs)
     prediction.stack_range = stack_range(prediction, cluster)
     return prediction
