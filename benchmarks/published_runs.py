@@ -66,6 +66,13 @@ class Run:
     # code (`param.main_grad.add_(param.grad)` in its DDP hook) and DeepSpeed's engines add in a separate pass.
     fused_grad_accumulation: bool = False
 
+    def parallel(self, micro_batch: int, interleave: int = 1) -> ParallelSpec:
+        """The run's layout and stack at one of the micro-batches and interleavings it allows."""
+        return ParallelSpec(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=micro_batch, interleave=interleave,
+                            recompute=self.recompute, zero=self.zero, sequence_parallel=self.sequence_parallel,
+                            overlap_grad_reduce=self.overlap_grad_reduce,
+                            fused_grad_accumulation=self.fused_grad_accumulation)
+
 
 def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
                   tflops: float) -> Run:
@@ -208,9 +215,7 @@ def published_mfu(run: Run) -> float:
     the model's MFU / TFLOP/s ratio for the run's setup converts it (FLOP accounting only, no time)."""
     if run.metric == "mfu":
         return run.published
-    spec = ParallelSpec(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch=run.micro_batches[0], recompute=run.recompute,
-                        zero=run.zero, sequence_parallel=run.sequence_parallel)
-    p = predict(run.model, spec, parse_cluster(run.cluster))
+    p = predict(run.model, run.parallel(run.micro_batches[0]), parse_cluster(run.cluster))
     return run.published * p.mfu / p.tflops_per_gpu
 
 
@@ -278,12 +283,8 @@ def predicted_with_range(run: Run, sustained: float | None) -> tuple[float, str,
     best: tuple[float, str, tuple[float, float]] | None = None
     for b in run.micro_batches:
         for v in run.interleaves:
-            spec = ParallelSpec(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch=b, interleave=v,
-                                recompute=run.recompute, zero=run.zero, sequence_parallel=run.sequence_parallel,
-                                overlap_grad_reduce=run.overlap_grad_reduce,
-                                fused_grad_accumulation=run.fused_grad_accumulation)
             try:
-                p = predict(run.model, spec, cluster)
+                p = predict(run.model, run.parallel(b, v), cluster)
             except ConfigError:
                 continue
             if not p.fits:
