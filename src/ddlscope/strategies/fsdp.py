@@ -48,7 +48,7 @@ class FSDP(Strategy):
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         mp_policy = mixed_precision_policy(self.spec.mixed_precision, self.ctx.device)
         if self.spec.wrap == "block":
-            for unit in wrap_units(model):
+            for unit in wrap_units(model, self.spec.wrap_class):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=self.spec.reshard_after_forward,
                             mp_policy=mp_policy)
         # The root keeps torch's default (None): it is not resharded after

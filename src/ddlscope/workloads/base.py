@@ -107,6 +107,11 @@ class Workload(ABC):
         return spec
 
     @classmethod
+    def validate(cls, spec: WorkloadSpec) -> None:
+        """Refuse, with a ConfigError of one line, what the spec's fields alone cannot (a model name
+        the library lacks, an input the model cannot take): called before any process starts."""
+
+    @classmethod
     @abstractmethod
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
         """Build model and data. Same spec and seed -> identical model and data."""

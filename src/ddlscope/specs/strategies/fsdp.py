@@ -21,7 +21,11 @@ class FSDPSpec(StrategySpec):
         True, description="free gathered parameters after each unit's forward and gather them again for backward "
                           "(ZeRO-3); False keeps them until backward (less communication, more memory)")
     wrap: Literal["block", "model"] = Field(
-        "block", description="block: one FSDP unit per transformer block (model.blocks) or per top-level child "
-                             "with parameters, plus the root; model: one unit for the whole model")
+        "block", description="block: one FSDP unit per block (ddlscope's model.blocks, a transformers model's "
+                             "decoder layers, else the repeated block class holding the most parameters, else "
+                             "each top-level child with parameters), plus the root; model: one unit for the whole model")
+    wrap_class: str | None = Field(
+        None, description="with wrap = 'block': the class name of the modules to shard as units (e.g. Bottleneck), "
+                          "instead of the ones found")
     mixed_precision: Literal["none", "bf16"] = Field(
         "none", description="bf16: gather and compute in bf16, reduce gradients and keep sharded parameters in fp32")
