@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from ddlscope.specs.registry import Registry, UnknownPluginError
 from ddlscope.specs import ClusterSpec, ConfigError, Experiment, check_consistency, describe_validation_error
 from ddlscope.specs import STRATEGY_SPECS
+from ddlscope.strategies import runtime_class
 from ddlscope.workloads import WORKLOADS
 
 DEFAULT_WORKLOAD = "mlp-digits"
@@ -93,8 +94,19 @@ def experiment_from_dict(raw: dict[str, Any], check_workload: bool = True) -> Ex
         raise ConfigError(describe_validation_error(err)) from None
     check_consistency(exp)
     if check_workload:
-        WORKLOADS.get(exp.workload.name).validate(exp.workload)
+        _check_workload(exp)
     return exp
+
+
+def _check_workload(exp: Experiment) -> None:
+    """What only the built model can tell: the workload's own checks, and whether the strategy can
+    hold the model (its runtime class's `check_model`, on the meta device, where the workload builds
+    its model alone)."""
+    workload = WORKLOADS.get(exp.workload.name)
+    workload.validate(exp.workload)
+    model = workload.meta_model(exp.workload)
+    if model is not None:
+        runtime_class(exp.strategy).check_model(exp.strategy, model)
 
 
 def experiment_from_json(text: str) -> Experiment:

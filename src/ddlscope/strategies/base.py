@@ -66,6 +66,11 @@ class Strategy(ABC):
         self.optimizer: torch.optim.Optimizer | None = None
         self.loss_fn: LossFn | None = None
 
+    @classmethod
+    def check_model(cls, spec: StrategySpec, model: nn.Module) -> None:
+        """Refuse, with a ConfigError of one line, a model this strategy cannot hold (given on the meta
+        device, before any process starts). Most strategies hold any model."""
+
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module to train (e.g. wrapped in DDP). The model is already on the device."""
         return model

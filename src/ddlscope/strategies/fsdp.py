@@ -44,6 +44,11 @@ class FSDP(Strategy):
         self._units: list[FSDPModule] = []
         self._forward_end_s = float("-inf")
 
+    @classmethod
+    def check_model(cls, spec: StrategySpec, model: nn.Module) -> None:
+        if spec.wrap == "block":  # type: ignore[attr-defined]
+            wrap_units(model, spec.wrap_class)  # type: ignore[attr-defined]
+
     def wrap(self, model: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         mp_policy = mixed_precision_policy(self.spec.mixed_precision, self.ctx.device)

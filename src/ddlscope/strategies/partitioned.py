@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddlscope.specs import ConfigError, StrategySpec
 from ddlscope.specs.strategies.partitioned import PartitionedSpec, even_cuts
 from ddlscope.specs.strategies.pipeline import stage_ranges
 from ddlscope.strategies import RUNTIMES
@@ -38,8 +39,8 @@ def layer_sequence(model: nn.Module) -> list[nn.Module]:
         return list(layers())
     if isinstance(model, nn.Sequential):
         return list(model)
-    raise TypeError(f"strategy partitioned cuts a model into consecutive layers; {type(model).__name__} is "
-                    "neither an nn.Sequential nor has pipeline_layers()")
+    raise ConfigError(f"strategy partitioned cuts a model into consecutive layers; {type(model).__name__} is "
+                      "neither an nn.Sequential nor has pipeline_layers()")
 
 
 def part_cuts(spec: PartitionedSpec, layers: list[nn.Module], parts: int) -> list[int]:
@@ -67,6 +68,10 @@ class PartitionedModel(nn.Module):
 @RUNTIMES.register(PartitionedSpec)
 class Partitioned(Strategy):
     spec: PartitionedSpec
+
+    @classmethod
+    def check_model(cls, spec: StrategySpec, model: nn.Module) -> None:
+        layer_sequence(model)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         layers = layer_sequence(model)

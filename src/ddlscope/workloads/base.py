@@ -112,6 +112,12 @@ class Workload(ABC):
         the library lacks, an input the model cannot take): called before any process starts."""
 
     @classmethod
+    def meta_model(cls, spec: WorkloadSpec) -> nn.Module | None:
+        """The spec's model on the meta device (no memory), where the workload can build it alone;
+        None where it cannot (the built-in workloads build model and data together)."""
+        return None
+
+    @classmethod
     @abstractmethod
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
         """Build model and data. Same spec and seed -> identical model and data."""

@@ -13,8 +13,8 @@ loop, the store, reports) is the machinery the built-in workloads use.
   model's input resolution), token sequences come from seeded Markov chains
   (a causal LM can bring its perplexity down to the chain's branching
   factor; an encoder tells apart which of 10 chains wrote a sequence). A
-  user's own CIFAR-10 or MNIST folder (torchvision's on-disk format) is read
-  with torchvision's own loaders, never downloaded.
+  user's own CIFAR-10 or MNIST folder in torchvision's on-disk format is read
+  from disk, never downloaded.
 - Every spec is checked before any process starts (`Workload.validate`):
   the model is built on the meta device and run once on a meta batch, so a
   wrong name, a knob the architecture lacks or a resolution the model cannot
@@ -25,14 +25,18 @@ loop, the store, reports) is the machinery the built-in workloads use.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
+import warnings
+import pickle
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Literal
 
+import numpy as np
 import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
@@ -75,6 +79,14 @@ def import_torchvision() -> Any:
     return torchvision
 
 
+def _torchvision_first() -> None:
+    """timm and transformers import torchvision when it is installed: import it our way first."""
+    try:
+        import_torchvision()
+    except ImportError:
+        pass
+
+
 _TORCHVISION_LIBRARY: list[Any] = []  # keeps the schema library alive for the process
 
 
@@ -92,6 +104,7 @@ def import_transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    _torchvision_first()
     try:
         import transformers
     except ImportError:
@@ -103,6 +116,7 @@ def import_transformers() -> Any:
 def _library(source: str) -> Any:
     if source == "torchvision":
         return import_torchvision()
+    _torchvision_first()
     try:
         return importlib.import_module(source)
     except ImportError:
@@ -279,25 +293,51 @@ def image_splits(spec: ImageSpec, seed: int) -> tuple[ResizedImages, ResizedImag
             ResizedImages(x_test, y_test, spec.image_size, spec.channels))
 
 
-FOLDER_LAYOUT = {"cifar10": "cifar-10-batches-py/ (data_batch_1..5, test_batch)",
+FOLDER_LAYOUT = {"cifar10": "cifar-10-batches-py/ (data_batch_1..5, test_batch: the python version)",
                  "mnist": "MNIST/raw/ (train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-...)"}
 
 
 def read_image_folder(dataset: str, root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """CIFAR-10 or MNIST from `root` in torchvision's on-disk format, read by torchvision (download=False).
+    """CIFAR-10 or MNIST from `root` in torchvision's on-disk format (never downloaded).
     Images come back as (n, c, h, w) uint8 and labels as int64."""
-    datasets = import_torchvision().datasets
-    cls = {"cifar10": datasets.CIFAR10, "mnist": datasets.MNIST}[dataset]
+    try:
+        if dataset == "cifar10":
+            return _read_cifar10(root / "cifar-10-batches-py")
+        return _read_mnist(root)
+    except (RuntimeError, OSError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as exc:
+        raise ConfigError(f"workload.data_dir = {str(root)!r}: no readable {dataset} in it ({_first_line(exc)}); "
+                          f"expected {FOLDER_LAYOUT[dataset]}") from None
+
+
+CIFAR_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
+
+
+def _read_cifar10(folder: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The python-version CIFAR-10 batches: pickles of {b"data": (n, 3072) uint8 in CHW order, b"labels"}.
+
+    Read here rather than by torchvision.datasets.CIFAR10, which refuses any
+    file whose md5 is not the official one: a user's re-packed or subset
+    folder, and the tests' tiny files, would not load. Unpickling runs code
+    from the file, as torchvision's loader does: read only folders you trust.
+    """
+    splits = []
+    for names in (CIFAR_TRAIN_BATCHES, ("test_batch",)):
+        images, labels = [], []
+        for name in names:
+            with open(folder / name, "rb") as f:
+                batch = pickle.load(f, encoding="bytes")
+            images.append(torch.as_tensor(np.asarray(batch[b"data"], dtype=np.uint8)).reshape(-1, 3, 32, 32))
+            labels.append(torch.as_tensor(batch[b"labels"], dtype=torch.int64))
+        splits += [torch.cat(images), torch.cat(labels)]
+    return splits[0], splits[1], splits[2], splits[3]
+
+
+def _read_mnist(root: Path) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """MNIST's idx files under root/MNIST/raw, by torchvision's reader (download=False)."""
     splits = []
     for train in (True, False):
-        try:
-            ds = cls(root=str(root), train=train, download=False)
-        except (RuntimeError, OSError, ValueError, EOFError) as exc:
-            raise ConfigError(f"workload.data_dir = {str(root)!r}: no readable {dataset} in it ({_first_line(exc)}); "
-                              f"expected {FOLDER_LAYOUT[dataset]}") from None
-        images = torch.as_tensor(ds.data)
-        images = images.permute(0, 3, 1, 2) if images.dim() == 4 else images.unsqueeze(1)  # NHWC / NHW -> NCHW
-        splits += [images.contiguous().to(torch.uint8), torch.as_tensor(ds.targets, dtype=torch.int64)]
+        ds = import_torchvision().datasets.MNIST(root=str(root), train=train, download=False)
+        splits += [ds.data.unsqueeze(1).contiguous().to(torch.uint8), torch.as_tensor(ds.targets, dtype=torch.int64)]
     return splits[0], splits[1], splits[2], splits[3]
 
 
@@ -427,7 +467,7 @@ def image_model(spec: ImageSpec) -> nn.Module:
     name = spec.model_name
     known = _image_model_names(spec.source)
     if name not in known:
-        close = [k for k in known if name.split("_")[0] in k][:8] or known[:8]
+        close = difflib.get_close_matches(name, known, n=8, cutoff=0.5) or [k for k in COMMON_IMAGE_MODELS if k in known]
         raise ConfigError(f"workload.name = {spec.name!r}: {spec.source} has no classification model {name!r}; "
                           f"e.g. {', '.join(close)} ({len(known)} in all)")
     if spec.source == "torchvision":
@@ -441,6 +481,10 @@ def image_model(spec: ImageSpec) -> nn.Module:
                                     img_size=spec.image_size)
     except TypeError:  # a convolutional timm model takes any size and has no img_size argument
         return library.create_model(name, pretrained=False, num_classes=spec.classes, in_chans=spec.channels)
+
+
+COMMON_IMAGE_MODELS = ("resnet18", "resnet50", "vgg16", "densenet121", "efficientnet_v2_s", "efficientnet_b0",
+                      "convnext_tiny", "convnext_large", "vit_b_16", "vit_tiny_patch16_224", "mobilenet_v3_small")
 
 
 def _image_model_names(source: str) -> list[str]:
@@ -503,6 +547,12 @@ def _on_meta() -> Iterator[None]:
 
 def model_of(spec: SourceSpec) -> nn.Module:
     """The spec's untrained model (on the current default device)."""
+    with warnings.catch_warnings():  # libraries' notes about future defaults, not the user's to act on
+        warnings.simplefilter("ignore")
+        return _model_of(spec)
+
+
+def _model_of(spec: SourceSpec) -> nn.Module:
     if isinstance(spec, HFSpec):
         return hf_model(spec)
     if isinstance(spec, ModuleSpec):
@@ -522,7 +572,8 @@ def check_model(spec: SourceSpec) -> None:
     """Build the model on the meta device and run one meta batch through it: every mistake a user can
     make in the name or the knobs shows here, before any process starts, in one line."""
     inputs = None
-    with _on_meta():
+    with _on_meta(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         if isinstance(spec, ModuleSpec):
             made = user_workload(spec)
             model, inputs = made.model, made.inputs
@@ -566,6 +617,11 @@ class _SourceWorkload(Workload):
     def validate(cls, spec: WorkloadSpec) -> None:
         check_model(cls.checked(spec))
 
+    @classmethod
+    def meta_model(cls, spec: WorkloadSpec) -> nn.Module | None:
+        with _on_meta():
+            return model_of(cls.checked(spec))
+
 
 @WORKLOADS.register("torchvision:NAME")
 class TorchvisionModel(_SourceWorkload):
@@ -577,7 +633,7 @@ class TorchvisionModel(_SourceWorkload):
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
         spec = cls.checked(spec)
         torch.manual_seed(seed)
-        return _image_task(image_model(spec), spec, seed)
+        return _image_task(model_of(spec), spec, seed)
 
 
 @WORKLOADS.register("timm:NAME")

@@ -65,7 +65,7 @@ class PipelineSpec(StrategySpec):
 
     def check_experiment(self, exp: "Experiment") -> None:
         layers = getattr(exp.workload, "layers", None)
-        if not isinstance(layers, int) or not hasattr(exp.workload, "heads"):
+        if ":" in exp.workload.name or not isinstance(layers, int) or not hasattr(exp.workload, "heads"):
             raise ConfigError(f"workload.name = {exp.workload.name!r}: strategy pipeline splits a transformer "
                               "into stages; use a GPT workload (gpt-char, gpt-synthetic)")
         if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:

@@ -34,7 +34,7 @@ class TPSpec(StrategySpec):
 
     def check_experiment(self, exp: "Experiment") -> None:
         heads = getattr(exp.workload, "heads", None)
-        if not isinstance(heads, int) or not hasattr(exp.workload, "layers"):
+        if ":" in exp.workload.name or not isinstance(heads, int) or not hasattr(exp.workload, "layers"):
             raise ConfigError(f"workload.name = {exp.workload.name!r}: strategy tp splits a transformer's heads; "
                               "use a GPT workload (gpt-char, gpt-synthetic)")
         if exp.cluster.world_size % self.dp:
