@@ -45,6 +45,7 @@ one-line message and exits with status 2.
 
 from __future__ import annotations
 
+import functools
 import json
 import tomllib
 from dataclasses import fields
@@ -79,9 +80,12 @@ ClusterOpt = Annotated[Optional[str], typer.Option(
     "--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
                       "as `ddlscope calibrate` measured it.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", help="gpt (default; --hidden, --heads, ...), or a CNN: resnet50, vgg16, densenet121.")]
+    "--model", help="gpt (default; --hidden, --heads, ...), a CNN: resnet50, vgg16, densenet121, a "
+                    "transformers decoder hf:ARCH (hf:llama, with --hidden, --heads, ...), or an image model "
+                    "torchvision:NAME, timm:NAME, module:PKG.MOD:FACTORY (--image-size, --classes).")]
 ImageSizeOpt = Annotated[Optional[int], typer.Option(
-    "--image-size", help="CNN input size: 224 (ImageNet network) or 32 (CIFAR variant).")]
+    "--image-size", help="CNN input size: 224 (ImageNet network) or 32 (CIFAR variant); any size for a "
+                         "torchvision/timm/module model (default 224).")]
 ClassesOpt = Annotated[Optional[int], typer.Option("--classes", help="CNN output classes (default 1000).")]
 HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Hidden size h.")]
 HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Attention heads a.")]
@@ -214,6 +218,7 @@ def predict_command(
         result, fitted = predict(spec, parallel, the_cluster, spot=use_spot), None
     if as_json:
         out = result.to_dict()
+        out["parameters"] = spec.params
         out["sustained_fraction"] = fitted["sustained_fraction"] if fitted else \
             the_cluster.device.efficiency.sustained_fraction
         if fitted:
@@ -389,6 +394,10 @@ def _required(value: Any, what: str) -> Any:
 
 def _is_cnn(model_raw: dict[str, Any]) -> bool:
     name = model_raw.get("name", "gpt")
+    if not isinstance(name, str):
+        raise ConfigError(f"model.name = {name!r}: must be a string")
+    if ":" in name:  # a model source: a Hugging Face decoder is a GPT to the step model, the rest CNNs
+        return name.partition(":")[0] != "hf"
     if name not in MODELS:
         workloads = _vision_workloads()
         if name not in workloads:
@@ -420,6 +429,84 @@ def _workload_layers(name: str) -> tuple[Any, ...]:
     return tuple(Layer(**record) for record in cnn_layer_records(task.model, image))
 
 
+@functools.lru_cache(maxsize=8)  # plan and predict of one model in one process trace it once
+def _source_layers(name: str, image_size: int, classes: int) -> tuple[Any, ...]:
+    """A torchvision, timm or `module:` image model as predict/cnn.py's layers, recorded from one real
+    forward of one image (runtime/profiler.py), its FSDP units from the model's repeated blocks."""
+    import torch
+
+    from ddlscope.predict.cnn import Layer
+    from ddlscope.runtime.config import load_experiment
+    from ddlscope.runtime.profiler import cnn_layer_records
+    from ddlscope.workloads.sources import example_input, model_of
+
+    if not 8 <= image_size <= 1024:
+        raise ConfigError(f"--image-size = {image_size}: must be between 8 and 1024")
+    spec = load_experiment(None, {"workload.name": name, "workload.image_size": image_size,
+                                  "workload.classes": classes}).workload
+    torch.manual_seed(0)
+    model = model_of(spec)
+    image = example_input(spec, 1)
+    layers = tuple(Layer(**record) for record in cnn_layer_records(model, image))
+    priced = 2 * sum(layer.macs for layer in layers) / max(_forward_flops(model, image), 1.0)
+    if priced < MIN_PRICED_FLOPS:
+        raise ConfigError(f"--model = {name!r}: the CNN layer model prices only {priced:.0%} of its forward FLOPs "
+                          "(attention and operations other than convolutions, linear layers, norms and pools are "
+                          "not priced yet); predict it as a transformer (--model gpt or hf:ARCH) instead")
+    _SOURCE_NOTES[name] = [] if priced > 0.99 else [
+        f"the layer model prices {priced:.1%} of {name}'s forward FLOPs as counted by torch (the rest, e.g. "
+        "attention, is not in the step time)"]
+    return layers
+
+
+# Below this share of a model's forward FLOPs the CNN layer model would mislead: refused.
+MIN_PRICED_FLOPS = 0.8
+_SOURCE_NOTES: dict[str, list[str]] = {}  # notes of the models _source_layers recorded, for the prediction
+
+
+def _forward_flops(model: Any, image: Any) -> float:
+    """Forward FLOPs of one image as torch counts them (attention through the math kernel, which
+    FlopCounterMode counts; PLATFORM.md)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        model.train()(image)  # as cnn_layer_records runs it: no inference fast paths
+    return float(counter.get_total_flops())
+
+
+def _hf_model_spec(raw: dict[str, Any]):
+    """A transformers decoder (`hf:ARCH`) as the step model's GPT: its shapes from the flags, whether
+    its MLP is gated (three matrices) found by matching one layer's parameters, its embeddings and
+    positions read off the model built on the meta device."""
+    from ddlscope.predict import ModelSpec
+    from ddlscope.specs import describe_validation_error
+    from ddlscope.workloads.sources import HFSpec, hf_decoder_facts
+    from pydantic import ValidationError
+
+    for key in REQUIRED_MODEL_KEYS:
+        _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
+    knobs = {"hidden": raw["hidden"], "heads": raw["heads"], "layers": raw["layers"], "seq_len": raw["seq"],
+             "vocab": raw["vocab"]}
+    knobs.update({name: raw[key] for key, name in (("kv_heads", "kv_heads"), ("ffn_hidden", "intermediate"))
+                  if raw.get(key)})
+    try:
+        hf = HFSpec(name=raw["name"], **knobs)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err, prefix="model")) from None
+    facts = hf_decoder_facts(hf)
+    shape = {k: facts[k] for k in ("hidden", "heads", "layers", "seq", "vocab", "kv_heads", "ffn_hidden",
+                                   "tied_embeddings", "learned_positions")}
+    kwargs = {k: raw[k] for k in ("global_batch", "attention", "dtype") if k in raw}
+    kwargs["global_batch"] = _int(kwargs["global_batch"], "model.global_batch", minimum=1)
+    candidates = [ModelSpec(name=raw["name"], gated_mlp=gated, **shape, **kwargs) for gated in (False, True)]
+    if facts["layer_params"]:
+        return min(candidates, key=lambda m: abs(m.layer_params - facts["layer_params"]))
+    return candidates[0]
+
+
 def _cnn_spec(raw: dict[str, Any]):
     from ddlscope.predict.cnn import CNNSpec, validate_cnn
 
@@ -427,7 +514,7 @@ def _cnn_spec(raw: dict[str, Any]):
         if key in raw:
             raise ConfigError(f"--{key.replace('_', '-')} (model.{key}) is a GPT option; "
                               f"{raw['name']} takes --global-batch, --image-size, --classes, --dtype")
-    if raw["name"] not in CNN_MODELS:
+    if raw["name"] not in CNN_MODELS and ":" not in raw["name"]:
         for key in ("image_size", "classes"):
             if key in raw:
                 raise ConfigError(f"--{key.replace('_', '-')}: {raw['name']} is a registered workload; its images "
@@ -443,7 +530,11 @@ def _cnn_spec(raw: dict[str, Any]):
             if not isinstance(raw[key], str):
                 raise ConfigError(f"model.{key} = {raw[key]!r}: must be a string")
             kwargs[key] = raw[key]
-    if raw["name"] not in CNN_MODELS:
+    if ":" in raw["name"]:
+        kwargs.setdefault("image_size", 224)
+        kwargs.setdefault("classes", 1000)
+        kwargs["layers"] = _source_layers(raw["name"], kwargs["image_size"], kwargs["classes"])
+    elif raw["name"] not in CNN_MODELS:
         kwargs.update(image_size=32, classes=10, layers=_workload_layers(raw["name"]))
     spec = CNNSpec(**kwargs)
     validate_cnn(spec)
@@ -472,6 +563,7 @@ def _predict_cnn(model_raw: dict[str, Any], parallel_raw: dict[str, Any], cluste
             measured_step_s, cluster.device)
         cluster = cluster.with_sustained_fraction(fraction)
     result = predict_cnn(spec, parallel, cluster, strategy, spot=spot)
+    result.notes.extend(_SOURCE_NOTES.get(spec.name, []))
     if as_json:
         out = result.to_dict()
         out["sustained_fraction"] = cluster.device.efficiency.sustained_fraction
@@ -489,6 +581,12 @@ def _model_spec(raw: dict[str, Any]):
     from ddlscope.predict import ModelSpec
 
     name = raw.get("name", "gpt")
+    if isinstance(name, str) and name.startswith("hf:"):
+        for key in ("gated_mlp", "experts", "top_k", "capacity_factor", "expert_imbalance", *CNN_ONLY_MODEL_KEYS):
+            if key in raw:
+                raise ConfigError(f"--{key.replace('_', '-')} (model.{key}): {name} is read off the model; "
+                                  "give its sizes (--hidden, --heads, --layers, --kv-heads, --ffn-hidden, --seq, --vocab)")
+        return _hf_model_spec(raw)
     if name not in MODELS:
         raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}")
     for key in CNN_ONLY_MODEL_KEYS:
@@ -644,6 +742,12 @@ def prediction_table(result: dict[str, Any]) -> Table:
 
 
 # ---------------------------------------------------------------------------- output
+def _gpt_params(model: dict[str, Any]) -> int:
+    from ddlscope.predict import ModelSpec
+
+    return ModelSpec(**model).params
+
+
 def _print_prediction(p: Any, label: str, spot: bool) -> None:
     console.print(f"[bold]{escape(str(p.cluster))}[/bold]  {label}  ({p.micro_batches} micro-batches per step)")
     head = Table(show_header=False, box=None, pad_edge=False)
@@ -662,6 +766,9 @@ def _print_prediction(p: Any, label: str, spot: bool) -> None:
         head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {p.mfu:.1%}, "
                      f"{p.images_per_s_per_gpu:,.0f} images/s per GPU")
     else:
+        m = p.model
+        head.add_row("model", f"{m['name']}: {_gpt_params(m):,} parameters, {m['layers']} layers, hidden "
+                     f"{m['hidden']}, {m['heads']} heads ({m['kv_heads'] or m['heads']} key/value), seq {m['seq']}")
         head.add_row("throughput", f"{p.tflops_per_gpu:.1f} TFLOP/s per GPU (with recomputation), "
                      f"MFU {p.mfu:.1%}, {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU")
     head.add_row("memory", f"{p.memory_gb_per_gpu:.1f} GB on the fullest GPU of {p.memory_capacity_gb:.1f} GB "

@@ -87,6 +87,9 @@ class Layer:
     bias: bool = False
     saves_output: bool = True  # its output is a new tensor a backward keeps
     first: bool = False  # consumes the images: no data gradient
+    # Positions the layer runs at, each on its own, beside the h x h grid: a linear layer or norm applied
+    # per pixel of a channels-last image or per token of a ViT (1 for a channels-first CNN's layers).
+    positions: int = 1
 
     @property
     def params(self) -> int:
@@ -102,21 +105,22 @@ class Layer:
     def macs(self) -> int:
         """Multiply-adds per sample (convolutions and linear layers only)."""
         if self.kind in ("conv", "linear"):
-            return self.h_out**2 * self.c_out * (self.c_in // self.groups) * self.kernel**2
+            return self.h_out**2 * self.positions * self.c_out * (self.c_in // self.groups) * self.kernel**2
         return 0
 
     @property
     def in_elements(self) -> int:
-        return self.c_in * self.h_in**2
+        return self.c_in * self.h_in**2 * self.positions
 
     @property
     def out_elements(self) -> int:
-        return self.c_out * self.h_out**2
+        return self.c_out * self.h_out**2 * self.positions
 
     @property
     def gemm(self) -> tuple[int, int, int, int]:
         """(M per sample, N, K, groups) of the implicit GEMM of a conv or linear layer."""
-        return self.h_out**2, self.c_out // self.groups, (self.c_in // self.groups) * self.kernel**2, self.groups
+        return (self.h_out**2 * self.positions, self.c_out // self.groups, (self.c_in // self.groups) * self.kernel**2,
+                self.groups)
 
     def saved_bytes(self, act_bytes: int) -> int:
         """Bytes this layer adds to what autograd keeps for backward, per sample."""

@@ -265,13 +265,16 @@ def _context_ring_transfer_s(model: ModelSpec, cluster: Cluster, x: _Shape):
 
 
 def _stage_params(model: ModelSpec, x: _Shape):
-    """Parameters on one GPU of the first and of the last stage (the tied embedding has a copy on the last),
+    """Parameters on one GPU of the first and of the last stage (the output layer, tied or not, on the last),
     without the experts, and the experts' parameters on one GPU (divided by TP and by EP)."""
     h = model.hidden
     layers_here = x.layers_per_stage * (model.layer_params - model.expert_params_per_layer) / x.t
     experts_here = x.layers_per_stage * model.expert_params_per_layer / (x.t * x.e)
     embedding_here = model.vocab * h / x.t
-    first = layers_here + embedding_here + model.seq * h + np.where(x.single_stage, 2 * h, 0.0)
+    positions = model.seq * h if model.learned_positions else 0.0
+    # One stage holds the output layer too: a second table unless it is the tied embedding itself.
+    own_output = 0.0 if model.tied_embeddings else embedding_here
+    first = layers_here + embedding_here + positions + np.where(x.single_stage, 2 * h + own_output, 0.0)
     last = np.where(x.single_stage, first, layers_here + embedding_here + 2 * h)
     return first, last, embedding_here, experts_here
 

@@ -50,6 +50,8 @@ class ModelSpec:
     causal: bool = True
     name: str = "gpt"
     experts: int = 0  # 0: a dense MLP
+    tied_embeddings: bool = True  # the output layer reuses the input embedding (GPT-2); False: its own (Llama 3)
+    learned_positions: bool = True  # a seq x hidden position table (GPT-2); False: rotary, no parameters (Llama)
     top_k: int = 2
     capacity_factor: float = 0.0  # 0: dropless
     expert_imbalance: float = 1.0  # tokens of the busiest expert / the mean (dropless)
@@ -117,8 +119,11 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """All parameters, tied input/output embedding counted once, learned positions."""
-        return self.layers * self.layer_params + self.vocab * self.hidden + self.seq * self.hidden + 2 * self.hidden
+        """All parameters: the layers, the input embedding (and the output layer when not tied), the
+        learned positions if any, the final norm."""
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        positions = self.seq * self.hidden if self.learned_positions else 0
+        return self.layers * self.layer_params + embeddings + positions + 2 * self.hidden
 
     @property
     def activation_bytes(self) -> int:

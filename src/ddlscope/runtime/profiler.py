@@ -260,19 +260,22 @@ def cnn_layer_records(model: nn.Module, image: Tensor) -> list[dict[str, Any]]:
     """A CNN's forward as the layer list predict/cnn.py prices (its `Layer` fields, as dicts): every
     convolution, linear layer, norm, activation, residual add or scale, pooling and concatenation of
     one image's forward, recorded from the ops a real forward dispatches, so any registered vision
-    workload can be predicted at cluster scale. `unit` is the index of the `model.blocks` entry the
-    op ran in (the FSDP unit), 0 before the first block (the stem) and one past the last after it.
+    workload can be predicted at cluster scale. `unit` is the index of the FSDP unit the op ran in
+    (strategies/units.py: `model.blocks`, a model's repeated blocks, ...), 0 before the first unit
+    (the stem) and one past the last after it.
     """
     device = _device_of(model)
     if device.type == "meta":
         raise ValueError("layer records need a real model: meta kernels dispatch different ops")
-    replica = copy.deepcopy(model).eval()
+    # Training mode: the ops training runs (batch statistics, dropout), and no inference fast paths
+    # (nn.MultiheadAttention's fused kernel in eval hides its projections from the recorder).
+    replica = copy.deepcopy(model).train()
     recorder = _LayerRecorder()
-    blocks = getattr(replica, "blocks", None)
+    blocks = wrap_units(replica)
     hooks = []
-    if isinstance(blocks, nn.ModuleList):
-        for i, block in enumerate(blocks):
-            hooks.append(block.register_forward_pre_hook(lambda *_, i=i: recorder.enter_unit(i + 1)))
+    for i, block in enumerate(blocks):
+        hooks.append(block.register_forward_pre_hook(lambda *_, i=i: recorder.enter_unit(i + 1)))
+    if blocks:
         hooks.append(blocks[-1].register_forward_hook(lambda *_: recorder.enter_unit(len(blocks) + 1)))
     try:
         with torch.no_grad(), recorder:
@@ -314,9 +317,17 @@ class _LayerRecorder(TorchDispatchMode):
                     "first": not any(r["kind"] == "conv" for r in self.records)}
         if name in ("addmm", "mm") and out.dim() == 2:
             a = args[-2]
+            # One image's rows: 1 for a classifier head, every pixel or token for a linear applied per
+            # position (ConvNeXt's channels-last MLP, a ViT's projections).
             return {"kind": "linear", "c_in": a.shape[-1], "c_out": out.shape[-1], "h_in": 1, "h_out": 1,
-                    "bias": name == "addmm"}
-        if x is None or out.dim() not in (2, 4):
+                    "bias": name == "addmm", "positions": a.shape[0]}
+        if x is None or out.dim() not in (2, 3, 4):
+            return None
+        per_position = _per_position_width(name, args, out)
+        if per_position and name in SHAPE_KEEPING_OPS:  # tokens (B, T, C) or channels-last (B, H, W, C)
+            return {"kind": SHAPE_KEEPING_OPS[name], "c_in": per_position, "c_out": per_position, "h_in": 1,
+                    "h_out": 1, "positions": out.numel() // per_position}
+        if out.dim() == 3:
             return None
         channels, size = out.shape[1], (out.shape[-1] if out.dim() == 4 else 1)
         if name in SHAPE_KEEPING_OPS and any(isinstance(a, Tensor) and a.shape == out.shape for a in args):
@@ -328,6 +339,17 @@ class _LayerRecorder(TorchDispatchMode):
         if name == "cat" and out.dim() == 4:
             return {"kind": "concat", "c_in": channels, "c_out": channels, "h_in": size, "h_out": size}
         return None
+
+
+def _per_position_width(name: str, args: tuple[Any, ...], out: Tensor) -> int:
+    """The channels of a per-position layout (tokens, or channels-last images), 0 for channels-first.
+
+    A layer norm over the last dimension of a 3-D or 4-D tensor normalises each position on its own
+    (its weight has the last dimension's size); any other op on a 3-D tensor is per token."""
+    if name == "native_layer_norm" and out.dim() in (3, 4):
+        normalized = math.prod(args[1]) if isinstance(args[1], (list, tuple)) else out.shape[-1]
+        return int(normalized) if normalized == out.shape[-1] else 0
+    return int(out.shape[-1]) if out.dim() == 3 else 0
 
 
 def _conv_as_gemms(name: str, args: tuple[Any, ...], out: Any) -> list[Matmul]:

@@ -461,6 +461,32 @@ def hf_model(spec: HFSpec) -> HFModel:
     return HFModel(auto.from_config(config))
 
 
+def hf_decoder_facts(spec: HFSpec) -> dict[str, Any]:
+    """What a step model of a decoder-only transformer needs from a transformers causal LM, read off
+    its config and its model built on the meta device (no memory, any size): the shapes, whether the
+    output layer is the input embedding, whether positions are a learned table, the parameters of one
+    layer and of the whole model."""
+    if spec.model_name not in hf_architectures()[0]:
+        raise ConfigError(f"--model = {spec.name!r}: an encoder; predict and plan price decoder-only language "
+                          "models (hf:gpt2, hf:llama, hf:mistral, ...)")
+    config = hf_config(spec)
+    # One layer is built and the rest counted from it: the layers of a decoder are alike, and a 70B
+    # model's 80 layers, even on the meta device, take seconds to construct.
+    with _on_meta():
+        model = hf_model(spec.model_copy(update={"layers": 1}))
+    units = [m for m in model.modules() if type(m).__name__ in set(model.hf._no_split_modules or [])]
+    layer_params = sum(p.numel() for p in units[0].parameters()) if units else None
+    position_tables = [m for m in model.modules() if isinstance(m, nn.Embedding)
+                       and m.num_embeddings == spec.seq_len and m.num_embeddings != spec.vocab]
+    return {"hidden": spec.hidden, "heads": spec.heads, "layers": spec.layers, "seq": spec.seq_len,
+            "vocab": spec.vocab, "kv_heads": spec.kv_heads or spec.heads,
+            "ffn_hidden": spec.intermediate if spec.intermediate is not None else 4 * spec.hidden,
+            "tied_embeddings": bool(getattr(config, "tie_word_embeddings", True)),
+            "learned_positions": bool(position_tables),
+            "layer_params": layer_params,
+            "params": sum(p.numel() for p in model.parameters()) + (spec.layers - 1) * (layer_params or 0)}
+
+
 def image_model(spec: ImageSpec) -> nn.Module:
     """A torchvision or timm classifier with random weights for the spec's classes and resolution."""
     library = _library(spec.source)
