@@ -466,10 +466,10 @@ def hf_decoder_facts(spec: HFSpec) -> dict[str, Any]:
     its config and its model built on the meta device (no memory, any size): the shapes, whether the
     output layer is the input embedding, whether positions are a learned table, the parameters of one
     layer and of the whole model."""
+    config = hf_config(spec)  # an architecture transformers lacks is refused here
     if spec.model_name not in hf_architectures()[0]:
         raise ConfigError(f"--model = {spec.name!r}: an encoder; predict and plan price decoder-only language "
                           "models (hf:gpt2, hf:llama, hf:mistral, ...)")
-    config = hf_config(spec)
     # One layer is built and the rest counted from it: the layers of a decoder are alike, and a 70B
     # model's 80 layers, even on the meta device, take seconds to construct.
     with _on_meta():
