@@ -88,6 +88,7 @@ class WorkloadProfile:
     units: int  # FSDP wrap units (strategies.units: transformer blocks, else top-level children with weights)
     gemms: list[tuple[int, int, int]] = field(default_factory=list)  # (m, n, k) of each Linear forward
     cnn: Any = None  # a predict.cnn.CNNSpec when the profile comes from its layer list (advise --model)
+    transformer: Any = None  # a predict.ModelSpec when the planner's step model describes the model (a GPT)
 
     @property
     def state_bytes_per_param(self) -> float:
@@ -96,10 +97,14 @@ class WorkloadProfile:
 
 def profile_workload(exp: Experiment, workers: int) -> WorkloadProfile:
     """The experiment's per-GPU step, from the step profiler (runtime/profiler.py), on a model built
-    on the meta device (shapes only: no parameter memory, whatever the model's size)."""
+    on the meta device (shapes only: no parameter memory, whatever the model's size).
+
+    An image model (a 4-D input: a built-in vision workload, `torchvision:`, `timm:`, your own) is
+    priced as `predict --model` prices it: its forward recorded into the CNN layer model
+    (predict/cnn.py), so advise and predict give it the same compute time."""
     import torch
 
-    from ddlscope.runtime.profiler import optimizer_states_per_param, profile_task
+    from ddlscope.runtime.profiler import cnn_layer_records, optimizer_states_per_param, profile_task
     from ddlscope.workloads import WORKLOADS
 
     spec = exp.workload
@@ -110,10 +115,21 @@ def profile_workload(exp: Experiment, workers: int) -> WorkloadProfile:
             task = workload.build(spec, exp.seed)
     except Exception:  # a workload whose data loading needs real tensors: build it for real
         task = workload.build(spec, exp.seed)
+    image, _ = task.train.get(torch.arange(1))
+    if image.dim() == 4 and image.dtype.is_floating_point:
+        on_meta = any(p.is_meta for p in task.model.parameters()) or image.is_meta
+        if on_meta:  # the records need a real forward of one image
+            task = workload.build(spec, exp.seed)
+            image, _ = task.train.get(torch.arange(1))
+        from ddlscope.predict.cnn import Layer
+
+        layers = tuple(Layer(**record) for record in cnn_layer_records(task.model, image))
+        return cnn_workload_profile(exp, spec.name, workers, image_size=int(image.shape[-1]),
+                                    classes=int(task.model(image).shape[-1]), layers=layers)
     step = profile_task(task, batch)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(step.param_dtype, "fp32")
     weight_bytes = float(step.param_dtype.itemsize)
-    return WorkloadProfile(
+    return WorkloadProfile(transformer=transformer_spec(exp, task.model),
         name=spec.name, params=step.params, batch_per_gpu=batch, flops_per_step=float(step.flops),
         # each Linear's forward GEMM and its two backward GEMMs
         linear_flops_per_step=float(sum(6.0 * m * n * k for m, n, k in step.linear_gemms)),
@@ -124,10 +140,35 @@ def profile_workload(exp: Experiment, workers: int) -> WorkloadProfile:
         units=max(step.units, 1), gemms=list(step.linear_gemms))
 
 
+def transformer_spec(exp: Experiment, model: Any) -> Any:
+    """The experiment's model as the planner's step model (predict.ModelSpec), where it is one: ddlscope's
+    GPT (untied output layer, learned positions), or a transformers decoder read off its config. None
+    for anything else. Priced as `plan` prices a GPT: bf16 with fp32 master weights, flash attention."""
+    from ddlscope.predict import ModelSpec
+
+    cfg = getattr(model, "cfg", None)
+    if all(hasattr(cfg, k) for k in ("vocab_size", "seq_len", "layers", "hidden", "heads", "mlp_ratio")):
+        return ModelSpec(hidden=cfg.hidden, heads=cfg.heads, layers=cfg.layers, seq=cfg.seq_len, vocab=cfg.vocab_size,
+                         global_batch=exp.workload.batch_size, ffn_hidden=cfg.mlp_ratio * cfg.hidden,
+                         tied_embeddings=False, learned_positions=True, name=exp.workload.name)
+    if exp.workload.name.startswith("hf:"):
+        from ddlscope.workloads.sources import hf_architectures, hf_decoder_facts
+
+        if exp.workload.model_name in hf_architectures()[0]:
+            facts = hf_decoder_facts(exp.workload)
+            shape = {k: facts[k] for k in ("hidden", "heads", "layers", "seq", "vocab", "kv_heads", "ffn_hidden",
+                                           "tied_embeddings", "learned_positions")}
+            options = [ModelSpec(**shape, gated_mlp=g, global_batch=exp.workload.batch_size, name=exp.workload.name)
+                       for g in (False, True)]
+            return min(options, key=lambda m: abs(m.layer_params - (facts["layer_params"] or 0)))
+    return None
+
+
 def cnn_workload_profile(exp: Experiment, model: str, workers: int, image_size: int = 224,
-                         classes: int = 1000) -> WorkloadProfile:
+                         classes: int = 1000, layers: tuple[Any, ...] = ()) -> WorkloadProfile:
     """The per-GPU step of a CNN from its torch-free layer list (predict/cnn.py) instead of a built
-    model: `advise --model resnet50|vgg16|densenet121`, the experiment giving batch and optimizer."""
+    model: `advise --model resnet50|vgg16|densenet121`, or `layers` recorded from a workload's model;
+    the experiment gives batch and optimizer."""
     from ddlscope.predict import cnn
 
     spec = exp.workload
@@ -135,7 +176,7 @@ def cnn_workload_profile(exp: Experiment, model: str, workers: int, image_size: 
     states = 2 if spec.optimizer == "adamw" else (1 if spec.momentum > 0 else 0)
     optimizer = {0: "sgd", 1: "sgd-momentum", 2: "adamw"}[states]
     net = cnn.CNNSpec(model, global_batch=spec.batch_size, image_size=image_size, classes=classes,
-                      optimizer=optimizer)
+                      optimizer=optimizer, layers=layers)
     counts = cnn.counts(net)
     gemms = [(batch * m, n, k) for layer in cnn.layers_of(net) if layer.kind in ("conv", "linear")
              for m, n, k, _ in [layer.gemm]]
@@ -350,6 +391,7 @@ class StrategyAdvice:
     effective_step_s: float  # step_s x staleness factor: what the ranking uses
     rank: int = 0
     notes: list[str] = field(default_factory=list)
+    layout: dict[str, Any] | None = None  # the planner's ParallelSpec fields, where priced as plan prices it
 
 
 @dataclass
@@ -408,14 +450,54 @@ def advise(exp: Experiment, cluster: Cluster | str, stragglers: float = 1.0, db:
     specs = candidates(exp)
     penalties = staleness_penalties(db, profile.name, _asynchronous(specs))
     usable = dev.memory_bytes - dev.framework_overhead_bytes
-    rows = [_advice_row(spec, case, penalties, usable, exp.workload.steps) for spec in specs]
+    rows = [_planned_row(spec, profile.transformer, layout, case, penalties, exp.workload.steps)
+            if profile.transformer is not None and (layout := estimator_for(spec).transformer_layout(spec, n))
+            else _advice_row(spec, case, penalties, usable, exp.workload.steps) for spec in specs]
     ranked = _rank(rows, [spec.name for spec in specs])
     winner = ranked[0]
     reasons = _reasons(ranked, winner, profile, cluster, stragglers, fraction, usable,
                        {spec.name: spec for spec in specs})
     return Advice(experiment=exp.name or exp.workload.name, workload=_workload_dict(profile), cluster=str(cluster),
                   device=dev.key, workers=n, stragglers=stragglers, achieved_fraction_of_peak=fraction,
-                  strategies=ranked, recommendation=winner.strategy, reasons=reasons)
+                  strategies=ranked, recommendation=winner.strategy if winner.fits else NOTHING_FITS,
+                  reasons=reasons)
+
+
+NOTHING_FITS = "none"  # the recommendation where no strategy fits the device
+RECOMPUTE_OPTIONS = ("none", "selective", "full")
+
+
+def _planned_row(spec: StrategySpec, model: Any, layout: dict[str, Any], case: ClusterCase,
+                 penalties: dict[str, StalenessPenalty], steps: int) -> StrategyAdvice:
+    """A transformer under a layout of the planner, priced by its step model (predict.predict, what
+    `plan` ranks): the fastest micro-batch and recompute that fit, else the one needing least memory."""
+    from ddlscope.predict import ParallelSpec, predict
+
+    cluster = case.cluster
+    per_gpu = model.global_batch // layout["dp"]
+    options = [predict(model, ParallelSpec(**layout, micro_batch=mb, recompute=rc), cluster)
+               for mb in range(1, per_gpu + 1) if per_gpu % mb == 0 for rc in RECOMPUTE_OPTIONS]
+    fitting = [p for p in options if p.fits]
+    best = min(fitting, key=lambda p: p.step_time_s) if fitting else min(options, key=lambda p: p.memory_gb_per_gpu)
+    label = ParallelSpec(**best.parallel).label() if isinstance(best.parallel, dict) else str(best.parallel)
+    breakdown = best.breakdown_s
+    # The step model knows no straggler: the slowest worker's compute sets every synchronous step.
+    compute = float(breakdown["compute"]) * case.stragglers
+    step = float(best.step_time_s) + compute - float(breakdown["compute"])
+    exposed = float(breakdown["dp_grad_sync"] + breakdown["zero_comm"])
+    memory = float(best.memory_gb_per_gpu) * 1e9
+    price, n = cluster.device.price_usd_per_hour, cluster.n_gpus
+    pen = penalties.get(spec.name, StalenessPenalty(True, "none (synchronous: no staleness)"))
+    return StrategyAdvice(
+        strategy=spec.name, synchronous=spec.traits.synchronous, step_s=step, compute_s=compute,
+        comm_s=exposed, exposed_comm_s=exposed, comm_compute_ratio=exposed / compute if compute else math.inf,
+        samples_per_s=model.global_batch / step, memory_bytes_per_gpu=memory, memory_gib_per_gpu=memory / GIB,
+        server_memory_gib=None, fits=bool(best.fits), cost_usd_per_step=price * n * step / 3600.0,
+        experiment_steps=steps, experiment_time_s=steps * step, experiment_cost_usd=price * n * step * steps / 3600.0,
+        mean_staleness_steps=0.0, staleness_penalty=pen.text, staleness_factor=pen.factor,
+        effective_step_s=step * pen.factor,
+        notes=[f"priced as `ddlscope plan` prices {label} ({model.dtype} with fp32 master weights, "
+               f"{model.attention} attention)"], layout=dict(best.parallel))
 
 
 def _advice_row(spec: StrategySpec, case: ClusterCase, penalties: dict[str, StalenessPenalty], usable: float,
@@ -441,8 +523,9 @@ def _advice_row(spec: StrategySpec, case: ClusterCase, penalties: dict[str, Stal
 def _workload_dict(profile: WorkloadProfile) -> dict[str, Any]:
     d = asdict(profile)
     d.pop("gemms")
-    if d["cnn"] is None:
-        d.pop("cnn")
+    for key in ("cnn", "transformer"):
+        if d[key] is None:
+            d.pop(key)
     d["state_bytes_per_param"] = profile.state_bytes_per_param
     return d
 
@@ -545,6 +628,17 @@ def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: Work
                        f"with {asynchronous} and {sync.strategy} or {ddp.strategy} in the store); async step times "
                        f"are ranked as if an update were worth a synchronous one.")
     reasons += [f"{r.strategy}'s {note}" for r in ranked for note in r.notes if note.startswith(KNOB_NOTE_PREFIX)]
+    planned = [r.strategy for r in ranked if any(n.startswith("priced as `ddlscope plan`") for n in r.notes)]
+    if planned:
+        reasons.append(f"Pricing: {' and '.join(planned)} are layouts of the planner and are priced as `ddlscope plan` "
+                       "prices them (bf16 with fp32 master weights, flash attention, the fastest micro-batch and "
+                       "recompute that fit); the other strategies as the experiment runs (its precision, no recompute).")
+    if not winner.fits:
+        least = min(ranked, key=lambda r: r.memory_bytes_per_gpu)
+        reasons.append(f"Recommendation: none: no strategy fits the {_gib(usable)} usable per {cluster.device.key} "
+                       f"(the least, {least.strategy}, needs {_gib(least.memory_bytes_per_gpu)} per GPU); "
+                       "`ddlscope plan` searches tensor and pipeline layouts with ZeRO and recompute, or use more GPUs.")
+        return reasons
     runner = next((r for r in ranked if r is not winner), None)
     framework = specs[winner.strategy].advice
     rec = (f"Recommendation: {winner.strategy} ({framework}): {_ms(winner.step_s)} per step, "
@@ -554,8 +648,6 @@ def _reasons(ranked: list[StrategyAdvice], winner: StrategyAdvice, profile: Work
     if runner is not None:
         rec += (f"; next is {runner.strategy} at {_ms(runner.effective_step_s)} per step"
                 + ("" if runner.fits else " (does not fit)"))
-    if not winner.fits:
-        rec += "; note that no strategy fits this device"
     reasons.append(rec + ".")
     if stragglers > 1 and winner.synchronous:
         reasons.append(f"The framework points to asynchrony for heterogeneous workers, but here the predicted numbers "

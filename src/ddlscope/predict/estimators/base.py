@@ -106,6 +106,12 @@ class Estimator:
         """What advise should say of this strategy on this case beyond the estimate's own notes."""
         return []
 
+    def transformer_layout(self, spec: StrategySpec, workers: int) -> dict[str, Any] | None:
+        """The transformer layout this strategy is (ParallelSpec fields), where the planner's step model
+        prices it: advise then prices a transformer workload under it exactly as `plan` prices that
+        layout. None: not a layout of the planner (the default)."""
+        return None
+
     # ------------------------------------------------------------------ this machine (predict --against)
     def local_compute_stretch(self, spec: StrategySpec, case: LocalCase) -> float | None:
         """How much a rank's compute stretches beside the others, where a probe of this strategy

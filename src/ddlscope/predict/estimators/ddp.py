@@ -54,6 +54,12 @@ class DDPEstimator(Estimator):
     def cluster_memory(self, spec: DDPSpec, case: ClusterCase) -> tuple[float, float | None]:
         return case.replicated_state_bytes + 2 * spec.bucket_mb * 2**20 + case.activation_bytes, None
 
+    def transformer_layout(self, spec: DDPSpec, workers: int) -> dict[str, object] | None:
+        # plain DDP only: the step model has no compression hooks or bucket plans
+        if spec.comm_hook != "none" or spec.buckets != "size":
+            return None
+        return {"dp": workers, "zero": 0, "bucket_mb": spec.bucket_mb}
+
     def local_comm(self, spec: DDPSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         """The calibrated DDP cost at this model size (hooks, bucket copies, its all-reduces on this
         machine), or, where an emulated link is slower, the smallest model's cost + the link's time for
