@@ -84,3 +84,13 @@ def test_plan_ranks_a_source_model(capsys) -> None:
                  "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["top"]
     assert rows and all(row["fits"] for row in rows)
+
+
+def test_advise_prices_an_image_model_as_predict_does(capsys, tmp_path) -> None:
+    args = ["--cluster", "a100-80gb:2x8", "--global-batch", "256", "--micro-batch", "16", "--image-size", "64",
+            "--classes", "10", "--strategy", "ddp"]
+    predicted_compute = predicted(capsys, "--model", "torchvision:resnet18", *args)["breakdown_s"]["compute"]
+    assert main(["advise", "--workload", "torchvision:resnet18", "--set", "workload.image_size=64", "--batch-size",
+                 "256", "--cluster", "a100-80gb:2x8", "--db", str(tmp_path / "none.db"), "--json"]) == 0
+    advised = {s["strategy"]: s for s in json.loads(capsys.readouterr().out)["strategies"]}
+    assert advised["ddp"]["compute_s"] == pytest.approx(predicted_compute, rel=1e-3)
