@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from ddlscope.cli import advise, buckets, calibrate, catalogue, partition, predict, report, run, slurm, study
+from ddlscope.cli import advise, buckets, calibrate, catalogue, memory, partition, predict, report, run, slurm, study
 from ddlscope.cli.common import run_app
 
 __all__ = ["COMMANDS", "app", "main"]
@@ -47,6 +47,7 @@ COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("buckets", buckets.buckets_command),
     ("calibrate", calibrate.calibrate),
     ("predict-run", predict.predict_run),
+    ("memory", memory.memory_command),
 )
 for name, command in COMMANDS:
     app.command(name)(command)
