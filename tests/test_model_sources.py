@@ -259,3 +259,34 @@ def test_every_source_trains_under_ddp_fsdp_and_a_parameter_server(source: str, 
     report = run_cli("report", "1", "2", "3", "-o", f"{source}.html", "--db", db, cwd=user_home, timeout_s=120)
     assert report.returncode == 0, report.stderr
     assert name in (user_home / f"{source}.html").read_text()
+
+
+@pytest.mark.parametrize("name", ["hf:gpt2", "hf:llama", "torchvision:shufflenet_v2_x0_5", "timm:test_vit"])
+def test_a_spec_read_back_from_json_builds_as_a_rank_builds_it(name: str) -> None:
+    """The launcher hands ranks the experiment as JSON, where every field reads as set."""
+    from ddlscope.runtime.config import experiment_from_json, experiment_to_dict
+
+    exp = experiment(name, **FEW_SAMPLES)
+    again = experiment_from_json(json.dumps(experiment_to_dict(exp)))
+    task = WORKLOADS.get(name).build(again.workload, again.seed)
+    x, _ = task.train.get(torch.arange(2))
+    assert task.model(x).shape[0] == 2
+
+
+@pytest.mark.parametrize(("name", "knobs"), [("hf:llama", {"layers": 3}), ("torchvision:resnet18", {})])
+def test_full_recompute_keeps_less_and_computes_the_same(name: str, knobs: dict) -> None:
+    from ddlscope.runtime.instrument import ActivationMeter
+
+    grads, kept = {}, {}
+    for recompute in ("none", "full"):
+        torch.manual_seed(0)
+        task, _ = build(name, **knobs, recompute=recompute, **FEW_SAMPLES)
+        x, y = task.train.get(torch.arange(4))
+        meter = ActivationMeter(task.model)
+        with meter.measure():  # the forward: what autograd keeps for backward
+            loss = task.loss_fn(task.model(x), y)
+        loss.backward()
+        kept[recompute] = meter.bytes
+        grads[recompute] = torch.cat([p.grad.flatten() for p in task.model.parameters()])
+    assert torch.allclose(grads["none"], grads["full"], atol=1e-5)
+    assert kept["full"] < 0.6 * kept["none"]

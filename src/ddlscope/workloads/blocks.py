@@ -1,8 +1,10 @@
-"""The one wrap-unit rule: how a model splits into FSDP units.
+"""The one wrap-unit rule: how a model splits into blocks (FSDP's units, recompute's units).
 
 FSDP's `wrap = "block"` shards each unit on its own (strategies/fsdp.py); the
-local predictor prices FSDP per unit (calibrate's `fsdp_units`) and advise
-divides the gathered parameters by the unit count. All three read this rule.
+local predictor prices FSDP per unit (calibrate's `fsdp_units`), advise
+divides the gathered parameters by the unit count, and a model source's
+`recompute = "full"` rebuilds each unit's activations in backward. All read
+this rule.
 
 For a model ddlscope did not write, the units are its repeated blocks, found
 the way a person would find them: the classes a Hugging Face model names as

@@ -42,6 +42,23 @@ def recomputed(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     return checkpoint(fn, x, use_reentrant=False)
 
 
+def recomputed_call(fn: Callable[..., Tensor], *args: object, **kwargs: object) -> Tensor:
+    """`recomputed` for a block taking any arguments (a transformers decoder layer's masks and rotary
+    embeddings among them): non-reentrant checkpointing passes keyword arguments through."""
+    _asked[0] += 1
+    if _off[0] or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def recompute_blocks(blocks: Iterable[nn.Module]) -> None:
+    """Make each block recompute its activations in backward (keeping only its inputs), whatever
+    the model around it: the block's own forward is called through `recomputed_call`."""
+    for block in blocks:
+        original = block.forward
+        block.forward = lambda *args, _forward=original, **kwargs: recomputed_call(_forward, *args, **kwargs)
+
+
 _off, _asked = [0], [0]  # one profiling pass at a time, in one thread (runtime/profiler.py)
 
 

@@ -45,6 +45,8 @@ from torch.nn import functional as F
 from ddlscope.specs import ConfigError, WorkloadSpec, remember_spec_class
 from ddlscope.workloads import WORKLOADS
 from ddlscope.workloads.base import Dataset, LossFn, Task, TensorDataset, Workload, cross_entropy
+from ddlscope.workloads.blocks import wrap_units
+from ddlscope.workloads.recompute import BlockRecompute, recompute_blocks
 from ddlscope.workloads.vision import PIXEL_STD, synthetic_cifar
 
 SYNTHETIC_CLASSES = 10  # the synthetic images' and the encoder's sequences' classes
@@ -142,6 +144,9 @@ class SourceSpec(WorkloadSpec):
     lr: float = Field(1e-3, gt=0, description="learning rate")
     samples: int = Field(4_000, ge=10, le=200_000, description="training samples generated from the seed (synthetic data)")
     test_samples: int = Field(500, ge=10, le=100_000, description="test samples generated from the seed (synthetic data)")
+    recompute: BlockRecompute = Field("none", description="activation recompute: none; full (each of the model's "
+                                                          "repeated blocks keeps only its input and runs again in "
+                                                          "backward; the blocks FSDP shards)")
 
     @property
     def model_name(self) -> str:
@@ -432,7 +437,9 @@ def hf_config(spec: HFSpec) -> Any:
     for knob, value in values.items():
         attribute = _hf_attribute(config, knob)
         if attribute is None:
-            if knob in spec.model_fields_set:
+            # Refused only where the user changed it: a spec read back from JSON lists every field as set.
+            # The sequence length still sets the data's, whether the model has a position table or not.
+            if knob != "seq_len" and getattr(spec, knob) != HFSpec.model_fields[knob].default:
                 raise ConfigError(f"workload.{knob} = {value!r}: {spec.name} has no {HF_KNOBS[knob]}; "
                                   f"leave it out")
             continue
@@ -572,10 +579,13 @@ def _on_meta() -> Iterator[None]:
 
 
 def model_of(spec: SourceSpec) -> nn.Module:
-    """The spec's untrained model (on the current default device)."""
+    """The spec's untrained model (on the current default device), its blocks recomputing if asked."""
     with warnings.catch_warnings():  # libraries' notes about future defaults, not the user's to act on
         warnings.simplefilter("ignore")
-        return _model_of(spec)
+        model = _model_of(spec)
+    if spec.recompute == "full":
+        recompute_blocks(wrap_units(model))
+    return model
 
 
 def _model_of(spec: SourceSpec) -> nn.Module:
@@ -678,7 +688,7 @@ class HFWorkload(_SourceWorkload):
     def build(cls, spec: WorkloadSpec, seed: int) -> Task:
         spec = cls.checked(spec)
         torch.manual_seed(seed)
-        model = hf_model(spec)
+        model = model_of(spec)
         causal = model._causal
         train, test = token_splits(spec.vocab, spec.seq_len, spec.samples, spec.test_samples, seed, classify=not causal)
         return Task(model=model, train=train, test=test, loss_fn=cross_entropy,
@@ -697,6 +707,8 @@ class ModuleWorkload(_SourceWorkload):
         spec = cls.checked(spec)
         torch.manual_seed(seed)
         made = user_workload(spec)
+        if spec.recompute == "full":
+            recompute_blocks(wrap_units(made.model))
         tokens = made.inputs == "tokens"
         if made.datasets is not None:
             train, test = made.datasets(seed)
