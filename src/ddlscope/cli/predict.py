@@ -432,49 +432,27 @@ def _workload_layers(name: str) -> tuple[Any, ...]:
 @functools.lru_cache(maxsize=8)  # plan and predict of one model in one process trace it once
 def _source_layers(name: str, image_size: int, classes: int) -> tuple[Any, ...]:
     """A torchvision, timm or `module:` image model as predict/cnn.py's layers, recorded from one real
-    forward of one image (runtime/profiler.py), its FSDP units from the model's repeated blocks."""
-    import torch
-
-    from ddlscope.predict.cnn import Layer
+    forward of one image (studies/recorded.py), its FSDP units from the model's repeated blocks."""
     from ddlscope.runtime.config import load_experiment
-    from ddlscope.runtime.profiler import cnn_layer_records
-    from ddlscope.workloads.sources import example_input, model_of
+    from ddlscope.studies.recorded import PRICED_FLOPS_TOLERANCE, priced_well, recorded_layers
 
     if not 8 <= image_size <= 1024:
         raise ConfigError(f"--image-size = {image_size}: must be between 8 and 1024")
     spec = load_experiment(None, {"workload.name": name, "workload.image_size": image_size,
                                   "workload.classes": classes}).workload
-    torch.manual_seed(0)
-    model = model_of(spec)
-    image = example_input(spec, 1)
-    layers = tuple(Layer(**record) for record in cnn_layer_records(model, image))
-    priced = 2 * sum(layer.macs for layer in layers) / max(_forward_flops(model, image), 1.0)
-    if priced < MIN_PRICED_FLOPS:
-        raise ConfigError(f"--model = {name!r}: the CNN layer model prices only {priced:.0%} of its forward FLOPs "
-                          "(attention and operations other than convolutions, linear layers, norms and pools are "
-                          "not priced yet); predict it as a transformer (--model gpt or hf:ARCH) instead")
-    _SOURCE_NOTES[name] = [] if priced > 0.99 else [
+    layers, priced = recorded_layers(spec)
+    if not priced_well(priced):
+        raise ConfigError(f"--model = {name!r}: the CNN layer model prices {priced:.0%} of its forward FLOPs as torch "
+                          f"counts them (more than {PRICED_FLOPS_TOLERANCE:.0%} off: attention, or operations other "
+                          "than convolutions, linear layers, norms and pools); predict it as a transformer "
+                          "(--model gpt or hf:ARCH) instead")
+    _SOURCE_NOTES[name] = [] if abs(priced - 1) <= 0.01 else [
         f"the layer model prices {priced:.1%} of {name}'s forward FLOPs as counted by torch (the rest, e.g. "
         "attention, is not in the step time)"]
     return layers
 
 
-# Below this share of a model's forward FLOPs the CNN layer model would mislead: refused.
-MIN_PRICED_FLOPS = 0.8
 _SOURCE_NOTES: dict[str, list[str]] = {}  # notes of the models _source_layers recorded, for the prediction
-
-
-def _forward_flops(model: Any, image: Any) -> float:
-    """Forward FLOPs of one image as torch counts them (attention through the math kernel, which
-    FlopCounterMode counts; PLATFORM.md)."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
-        model.train()(image)  # as cnn_layer_records runs it: no inference fast paths
-    return float(counter.get_total_flops())
 
 
 def _hf_model_spec(raw: dict[str, Any]):

@@ -37,6 +37,10 @@ def study(
                                                    f"medians. Default: {QUICK_REPEATS} with --quick, else {FULL_REPEATS}.")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="The workload its accuracy cells train "
                                                     "(paper: resnet-cifar, the default, or cnn-digits).")] = None,
+    models: Annotated[Optional[str], typer.Option("--models", help="paper: also run its cells on these torchvision "
+                                                  "models at 32x32, comma-separated (the paper's: resnet50, vgg16, "
+                                                  "densenet121, efficientnet_v2_s, convnext_large), for step time "
+                                                  "and memory; states the expected time first.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
     db: DbOption = DEFAULT_DB,
 ) -> None:
@@ -44,8 +48,11 @@ def study(
     from ddlscope.studies import STUDIES
     from ddlscope.studies.base import MAX_REPEATS
 
+    if models is not None and name != "paper":
+        raise UserError(f"--models: only `study paper` runs its cells on other models; study {name} has its own")
     try:
-        study_obj = STUDIES.get(name)(workload)
+        study_cls = STUDIES.get(name)
+        study_obj = study_cls(workload, models=tuple(models.split(","))) if models is not None else study_cls(workload)
     except KeyError as exc:
         raise UserError(str(exc)) from None
     except ValueError as exc:
@@ -55,8 +62,45 @@ def study(
         repeats = QUICK_REPEATS if quick else FULL_REPEATS
     if not 1 <= repeats <= MAX_REPEATS:
         raise UserError(f"--repeats {repeats}: must be between 1 and {MAX_REPEATS}")
-    run_study_command("study", study_obj, name, study_obj.cells(quick, repeats), db, fresh,
-                      output or Path(f"{name}-report.html"), f"ddlscope study {name}{' (quick)' if quick else ''}", quick)
+    cells = study_obj.cells(quick, repeats)  # every model checked here, before anything is written
+    named = f" --models {','.join(study_obj.models)}" if models else ""  # the report's title names the models
+    title = f"ddlscope study {name}{named}{' (quick)' if quick else ''}"
+    if models:
+        _say_expected_time(_to_run(cells, db, fresh), quick)
+    run_study_command("study", study_obj, name, cells, db, fresh, output or Path(f"{name}-report.html"), title, quick)
+
+
+def _to_run(cells: list[Cell], db: Path, fresh: bool) -> list[Cell]:
+    """The cells the run will start: those without a finished run of the same experiment in the store
+    (read only where the store exists already: this check creates nothing)."""
+    from ddlscope.store import Store
+    from ddlscope.studies.base import find_reusable, run_name
+
+    if fresh or not db.exists():
+        return cells
+    with Store(db) as store:
+        return [c for c in cells if find_reusable(store, run_name("paper", c), c.experiment.model_copy(
+            update={"name": run_name("paper", c)})) is None]
+
+
+def _say_expected_time(cells: list[Cell], quick: bool) -> None:
+    """The models' cells can take hours (slow emulated links, large gradients): say so before they start."""
+    from ddlscope.studies.paper import expected_models_s
+
+    model_cells = sum("model" in c.labels for c in cells)
+    if not model_cells:
+        return
+    own = sum("model" not in c.labels for c in cells)
+    after = (f", after the small model's {own} cells (about 5 min for all of --quick's)" if quick and own else
+             f", after the small model's {own} cells" if own else "")
+    err_console.print(f"study paper: {model_cells} model cells to run, expected to take about "
+                      f"{_duration(expected_models_s(cells))} on 2 cores (from step times measured here){after}",
+                      markup=False, highlight=False, soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{max(minutes, 1)} min"
 
 
 def sweep(

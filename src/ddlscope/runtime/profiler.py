@@ -256,6 +256,31 @@ POOL_OPS = {"max_pool2d_with_indices": "maxpool", "avg_pool2d": "avgpool", "_ada
             "mean": "avgpool"}
 
 
+def one_image_training_mode(model: nn.Module) -> nn.Module:
+    """The model in training mode for a forward of one image: the ops training runs (dropout), and no
+    inference fast path (nn.MultiheadAttention's fused kernel in eval hides its projections), but
+    batch norms on their running statistics: batch statistics of one image are undefined on a 1x1
+    map (ResNet-50's last stage at 32x32), and the op priced is the same normalisation."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.eval()
+    return model
+
+
+def forward_flops(model: nn.Module, image: Tensor) -> float:
+    """Forward FLOPs of one image as torch counts them, in the mode `cnn_layer_records` runs (attention
+    through the math kernel, which FlopCounterMode counts; PLATFORM.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    replica = one_image_training_mode(copy.deepcopy(model))
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        replica(image.to(_device_of(replica)))
+    return float(counter.get_total_flops())
+
+
 def cnn_layer_records(model: nn.Module, image: Tensor) -> list[dict[str, Any]]:
     """A CNN's forward as the layer list predict/cnn.py prices (its `Layer` fields, as dicts): every
     convolution, linear layer, norm, activation, residual add or scale, pooling and concatenation of
@@ -267,9 +292,7 @@ def cnn_layer_records(model: nn.Module, image: Tensor) -> list[dict[str, Any]]:
     device = _device_of(model)
     if device.type == "meta":
         raise ValueError("layer records need a real model: meta kernels dispatch different ops")
-    # Training mode: the ops training runs (batch statistics, dropout), and no inference fast paths
-    # (nn.MultiheadAttention's fused kernel in eval hides its projections from the recorder).
-    replica = copy.deepcopy(model).train()
+    replica = one_image_training_mode(copy.deepcopy(model))
     recorder = _LayerRecorder()
     blocks = wrap_units(replica)
     hooks = []

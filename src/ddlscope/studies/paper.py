@@ -10,6 +10,12 @@ the paper's compute-to-communication regime) or the small digits CNN
 (`--workload cnn-digits`, communication-bound on any network) for the same
 number of samples; memory cells train a GPT with tens of millions of
 parameters for a few steps, where model states dominate.
+
+`--models resnet50,vgg16,...` adds the paper's cells on those torchvision
+networks (`torchvision:NAME`, random weights, CIFAR's 32x32 images) beside
+the small model: a few steps each, read for step time and memory (training
+them to an accuracy is hours on 2 cores), and the predicted column priced
+from the same networks (paper_prediction.py).
 """
 
 from __future__ import annotations
@@ -17,14 +23,19 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ddlscope.specs import STRATEGY_SPECS, strategy_specs
 # Asynchrony's implicit momentum (Omnivore, PAPERS.md item 15): one rule for this study and the omnivore tuner.
 from ddlscope.specs.strategies.omnivore import compensated_momentum
 from ddlscope.studies import STUDIES
+from ddlscope.runtime.config import experiment_from_dict
+from ddlscope.specs import ConfigError
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, build_cell, measurement_notes
-from ddlscope.studies.paper_prediction import paper_prediction, predicted_agreement, predicted_column
+from ddlscope.studies.paper_prediction import ModelLayers, paper_prediction, predicted_agreement, predicted_column
+
+if TYPE_CHECKING:
+    from ddlscope.predict.cnn import Layer
 
 
 @dataclass(frozen=True)
@@ -156,12 +167,190 @@ def memory_cell(strategy: str, world: int) -> Cell:
     return build_cell(f"memory/{strategy}/w{world}", labels, raw)
 
 
+# ---------------------------------------------------------------------------- the paper's own models (--models)
+MODEL_SOURCE = "torchvision"
+# What every model cell trains: CIFAR's 32x32 images (the paper's CIFAR-10 runs), global batch 32 (16 images per
+# worker at 2 workers: one step of VGG16 or ConvNeXt-L already takes seconds on 2 cores), 3 steps, of which the
+# summary drops the first (warm-up): step time and memory only. No accuracy: training these networks to one
+# takes hours here. The same workload in every cell, so the one-process cell is each model's speedup baseline,
+# and the quick study's cells are the full study's (reused from the store).
+MODEL_WORKLOAD: dict[str, Any] = {"image_size": 32, "batch_size": 32, "steps": 3, "eval_every": 0,
+                                  "eval_batches": 1, "samples": 256, "test_samples": 32, "optimizer": "sgd",
+                                  "lr": 0.01, "momentum": 0.9}
+MODEL_WORKERS = 2  # 2 ranks on 2 cores; 4 ranks of ConvNeXt-L hold 9.4 GB of model states (SGD, momentum)
+# DDP/FSDP memory per rank is read from cells on the real (loopback) network: memory does not depend on the
+# link, and an emulated link would cost minutes per step for the larger models.
+MEMORY_NETWORK = "local"
+
+
+def model_workload(model: str) -> dict[str, Any]:
+    return {"name": f"{MODEL_SOURCE}:{model}", **MODEL_WORKLOAD}
+
+
+def parse_models(names: tuple[str, ...]) -> tuple[str, ...]:
+    """torchvision model names as given to --models (a `torchvision:` prefix is allowed), checked for shape
+    only; whether torchvision has them is the workload's check, when the cells are built."""
+    models = tuple(n.strip().removeprefix(f"{MODEL_SOURCE}:") for n in names)
+    spelled = ",".join(names)
+    if not models or any(not m for m in models):
+        raise ValueError(f"--models {spelled!r}: give comma-separated torchvision model names, e.g. "
+                         "resnet50,vgg16,densenet121,efficientnet_v2_s,convnext_large")
+    for m in models:
+        if ":" in m or "/" in m:
+            raise ValueError(f"--models {m!r}: give torchvision classification model names (e.g. resnet50); "
+                             "other sources (timm:, hf:, module:) run through `ddlscope run` and `ddlscope sweep`")
+    duplicates = sorted({m for m in models if models.count(m) > 1})
+    if duplicates:
+        raise ValueError(f"--models: {duplicates[0]} is given twice")
+    return models
+
+
+def model_cell(model: str, strategy: str, network: str, world: int, part: str, workers: str = "homogeneous",
+               check: bool = False) -> Cell:
+    """One cell of `model`: step time (`part` timing) or memory. `check` runs the workload's and the
+    strategy's checks on the model (a meta-device build: a name torchvision lacks is refused here)."""
+    slowdown = [1.0] * (world - 1) + [STRAGGLER_SLOWDOWN] if workers == "straggler" else []
+    cluster: dict[str, Any] = {"world_size": world, "slowdown": slowdown}
+    if network in NETWORKS:
+        cluster["network"] = NETWORKS[network]
+    raw = {"seed": 0, "workload": model_workload(model), "strategy": {"name": strategy}, "cluster": cluster}
+    if strategy == "single":
+        key = f"{model}/single/w1"
+    elif part == "memory":
+        key = f"{model}/memory/{strategy}/w{world}"
+    else:
+        key = f"{model}/{strategy}/{network}/{workers}/w{world}"
+    # The strategy label names the model: the report's scaling series are keyed by strategy, network and
+    # workers, and must not merge a model's cells with the small model's.
+    labels = {"part": part, "strategy": f"{strategy} ({model})", "network": network, "workers": workers,
+              "world_size": world, "group": key, "seed": 0, "workload": raw["workload"]["name"], "model": model}
+    try:
+        return Cell(key, labels, experiment_from_dict(raw, check_workload=check))
+    except ConfigError as exc:
+        raise ConfigError(f"--models {model}: {exc}") from None
+
+
+def model_cells(model: str, quick: bool) -> list[Cell]:
+    """The paper's cells on one model: the quick study measures DDP's speedup on the fast network and DDP vs
+    FSDP memory (4 cells); the full study adds DDP at 4 workers and on the slow network, FSDP's step time
+    on both networks, and sync vs async parameter servers with a 2x straggler (step time only)."""
+    w = MODEL_WORKERS
+    plan = [("single", "none", 1, "timing", "homogeneous"), ("ddp", "fast", w, "timing", "homogeneous")]
+    plan += [(s, MEMORY_NETWORK, w, "memory", "homogeneous") for s in ("ddp", "fsdp")]
+    if not quick:
+        plan += [("ddp", "fast", world, "timing", "homogeneous") for world in SCALING_WORKERS if world != w]
+        plan += [("ddp", "slow", w, "timing", "homogeneous")]
+        plan += [("fsdp", n, w, "timing", "homogeneous") for n in NETWORKS]
+        plan += [(s, "fast", w, "timing", "straggler") for s in ("ps-sync", "ps-async")]
+    # The checks depend on the model and the strategy only: one per strategy (each costs a meta-device
+    # build, up to a second for the larger networks; checking all 50 cells of the full study took 21 s).
+    checked: set[str] = set()
+    cells = []
+    for strategy, network, world, part, workers in plan:
+        cells.append(model_cell(model, strategy, network, world, part, workers, check=strategy not in checked))
+        checked.add(strategy)
+    return cells
+
+
+# Seconds per step measured here (2 cores shared with other work, so noisy) for DDP at 2 ranks, 16 images per
+# rank, 32x32, on the loopback network: `ddlscope run --workload torchvision:NAME --strategy ddp
+# --world-size 2 --steps 3` (2026-12-07). The expected time of a models study reads them; another model
+# gets DEFAULT_STEP_S.
+MEASURED_STEP_S = {"resnet50": 2.4, "vgg16": 7.2, "densenet121": 1.1, "efficientnet_v2_s": 4.7,
+                   "convnext_large": 9.3}
+DEFAULT_STEP_S = 5.0
+CELL_START_S = 10.0  # launching the ranks, building the model and data, the final one-batch evaluation
+LOCAL_MATMUL_FLOPS = 7.3e10  # this machine's fp32 matmul rate, as the emulation's probe measured it
+def traffic_per_gradient_byte(strategy: str, world: int) -> float:
+    """Bytes on the busiest emulated link per step, in units of the model's gradient bytes: a ring
+    all-reduce sends 2 (n-1)/n of them per rank; FSDP gathers the parameters twice (forward, backward) and
+    reduce-scatters the gradients, (n-1)/n each; a parameter server's link carries every worker's push and
+    pull."""
+    if strategy in PS_FAMILY:
+        return 2.0 * world
+    return (3.0 if strategy == "fsdp" else 2.0) * (world - 1) / world
+
+
+def expected_cell_s(cell: Cell, gradient_bytes: float) -> float:
+    """About how long a model cell takes here: its steps' compute (measured above) plus the emulated
+    link's time for its traffic (the `scaled` bandwidth, as the emulation computes it)."""
+    exp = cell.experiment
+    compute_s = MEASURED_STEP_S.get(cell.labels["model"], DEFAULT_STEP_S)
+    comm_s = 0.0
+    link = exp.cluster.network.link()
+    if link is not None and exp.cluster.world_size > 1:
+        bandwidth_bytes_per_s = link[1]
+        if exp.cluster.network.scaled:
+            bandwidth_bytes_per_s /= exp.cluster.network.target_flops() / LOCAL_MATMUL_FLOPS
+        traffic = traffic_per_gradient_byte(exp.strategy.name, exp.cluster.world_size)
+        comm_s = traffic * gradient_bytes / bandwidth_bytes_per_s
+    return CELL_START_S + exp.workload.steps * (compute_s + comm_s)
+
+
+def gradient_bytes(model: str) -> float:
+    """fp32 gradient bytes of the model, counted on the meta device (no memory, milliseconds)."""
+    import torch
+
+    from ddlscope.workloads.sources import TorchvisionSpec, image_model
+
+    with torch.device("meta"):
+        return 4.0 * sum(p.numel() for p in image_model(TorchvisionSpec(**model_workload(model))).parameters())
+
+
+def expected_models_s(cells: list[Cell]) -> float:
+    """About how long the model cells take on this machine, if none is in the store yet."""
+    sizes = {m: gradient_bytes(m) for m in dict.fromkeys(c.labels["model"] for c in cells if "model" in c.labels)}
+    return sum(expected_cell_s(c, sizes[c.labels["model"]]) for c in cells if "model" in c.labels)
+
+
+def recorded_layers(results: list[CellResult]) -> ModelLayers:
+    """Each model's network as predict/cnn.py prices it, recorded from one real forward of the model the
+    cells built (runtime/profiler.py, the path of `ddlscope predict --model torchvision:NAME`), with the
+    units FSDP shards it into. None for a model whose recorded layers price its forward FLOPs (as torch
+    counts them) off by more than studies/recorded.py's tolerance, or whose recording fails: the predicted column
+    says n/a rather than pricing another network, and the study's report is still written."""
+    specs = {}
+    for r in results:
+        model = r.cell.labels.get("model")
+        if model and model not in specs:
+            specs[model] = r.cell.experiment.workload
+    return {model: _layers_of(spec) for model, spec in specs.items()}
+
+
+_LAYERS: dict[str, "tuple[Layer, ...] | None"] = {}  # by the workload spec: one recording per process
+
+
+def _layers_of(spec: Any) -> "tuple[Layer, ...] | None":
+    key = spec.model_dump_json()
+    if key not in _LAYERS:
+        try:
+            _LAYERS[key] = _record_layers(spec)
+        except Exception:  # noqa: BLE001 (a model the recorder cannot run is not predicted; the cells stand)
+            _LAYERS[key] = None
+    return _LAYERS[key]
+
+
+def _record_layers(spec: Any) -> "tuple[Layer, ...] | None":
+    from ddlscope.studies.recorded import priced_well, recorded_layers
+
+    layers, priced = recorded_layers(spec)
+    return layers if priced_well(priced) else None
+
+
 @STUDIES.register("paper")
 class PaperStudy(Study):
     description = "the main study: DDP vs FSDP vs parameter servers on fast/slow networks, with stragglers"
     workload_choices = tuple(ACCURACY_SETTINGS)
 
+    def __init__(self, workload: str | None = None, models: tuple[str, ...] = ()):
+        super().__init__(workload)
+        self.models = parse_models(models) if models else ()
+
     def cells(self, quick: bool, repeats: int = 1) -> list[Cell]:
+        """The small model's cells (unchanged by --models), then each model's, model after model."""
+        return self._own_cells(quick, repeats) + [c for m in self.models for c in model_cells(m, quick)]
+
+    def _own_cells(self, quick: bool, repeats: int) -> list[Cell]:
         setting = ACCURACY_SETTINGS[self.workload]
 
         def cell(strategy: str, network: str, workers: str, world: int, variant: str = "",
@@ -193,7 +382,9 @@ class PaperStudy(Study):
         return cells + repeated(setting, cells, repeats, QUICK_REPEATED if quick else PS_FAMILY)
 
     def analyse(self, results: list[CellResult], quick: bool) -> Findings:
-        return _Analysis(results, _setting_of(results, self.workload)).findings()
+        own = [r for r in results if "model" not in r.cell.labels]
+        models = [r for r in results if "model" in r.cell.labels]
+        return _Analysis(own, _setting_of(own, self.workload), _ModelAnalysis(models)).findings()
 
 
 def _setting_of(results: list[CellResult], default: str | None) -> AccuracySetting:
@@ -208,9 +399,10 @@ def _setting_of(results: list[CellResult], default: str | None) -> AccuracySetti
 
 
 class _Analysis:
-    def __init__(self, results: list[CellResult], setting: AccuracySetting):
+    def __init__(self, results: list[CellResult], setting: AccuracySetting, models: "_ModelAnalysis | None" = None):
         self.results = results
         self.setting = setting
+        self.models = models or _ModelAnalysis([])
         # A cell's seeds form one group; its seed-0 result stands for the group, and the
         # step, wall time and accuracy read through it are the group's medians.
         self.groups: dict[str, list[CellResult]] = {}
@@ -303,8 +495,9 @@ class _Analysis:
     def findings(self) -> Findings:
         headlines = [h for h in (self._ddp_speedup(), self._fsdp_memory(), self._fsdp_slowdown(),
                                  self._async_gain(), self._stale_aware()) if h]
-        _add_predictions(headlines)
-        notes = self._notes()
+        headlines = self.models.add_to(headlines)
+        _add_predictions(headlines, recorded_layers(self.models.results) if self.models.names else None)
+        notes = self._notes() + self.models.notes()
         decisions = self._decisions()
         text = "\n".join([f"- {h['headline']}: paper: {h['paper']} | measured: {h['measured']} | predicted there: "
                           f"{h['predicted']} | {h['verdict']}"
@@ -338,8 +531,7 @@ class _Analysis:
                        + self.setting.regime + self._below_why(top))
         else:
             verdict = "differs: DDP did not gain most on the fast homogeneous cluster here"
-        return {"headline": "DDP speedup over one device", "paper": "2-3x, best on homogeneous, gang-scheduled, "
-                "high-bandwidth clusters", "measured": measured, "verdict": verdict}
+        return _headline(DDP_SPEEDUP, measured, verdict)
 
     def _below_why(self, world: int) -> str:
         """Why the speedup falls short: each worker's share of the global batch, against the 128
@@ -371,8 +563,7 @@ class _Analysis:
                     f"{MEMORY_WORKLOAD['layers']}-layer GPT, h={MEMORY_WORKLOAD['hidden']})")
         verdict = ("agrees: more than 60% less" if peak is not None and peak < 0.4
                    else "partly: model states shrink, but the rest of the process does not")
-        return {"headline": "FSDP peak memory per device", "paper": "4-6x lower (more than 60% less)",
-                "measured": measured, "verdict": verdict}
+        return _headline(FSDP_MEMORY, measured, verdict)
 
     def _fsdp_slowdown(self) -> dict[str, str] | None:
         slow = _ratio(self.step(self.get("fsdp", "slow")), self.step(self.get("ddp", "slow")))
@@ -386,9 +577,8 @@ class _Analysis:
         else:
             verdict = ("agrees that FSDP is slower per step; here the gap was larger on the fast network, "
                        "where DDP's single all-reduce cost less and FSDP's per-unit collectives did not")
-        return {"headline": "FSDP step time vs DDP", "paper": "higher communication; up to several times slower "
-                "per step than DDP on a slow network", "measured": f"{slow:.2f}x DDP's step time on the slow "
-                f"network, {_fmt(fast, 'x')} on the fast one ({self.world} workers)", "verdict": verdict}
+        return _headline(FSDP_STEP, f"{slow:.2f}x DDP's step time on the slow network, {_fmt(fast, 'x')} on the "
+                         f"fast one ({self.world} workers)", verdict)
 
     def _async_gain(self) -> dict[str, str] | None:
         sync, asyn = (self.get(s, self.ps_network, "straggler") for s in ("ps-sync", "ps-async"))
@@ -419,8 +609,7 @@ class _Analysis:
         if loss_pts > 17:
             verdict += (f"; the loss exceeds the paper's 4-17 points: with momentum {self.setting.workload['momentum']}, "
                         "asynchrony's implicit momentum pushes the total past stability")
-        return {"headline": "Async PS vs sync PS", "paper": "up to 28% less wall-clock time, 4-17% lower accuracy",
-                "measured": measured, "verdict": verdict}
+        return _headline(ASYNC_PS, measured, verdict)
 
     def _stale_aware(self) -> dict[str, str] | None:
         sync, asyn, aware = (self.get(s, self.ps_network, "straggler") for s in ("ps-sync", "ps-async", "ps-stale-aware"))
@@ -511,10 +700,166 @@ class _Analysis:
         ]
 
 
-def _add_predictions(headlines: list[dict[str, str]]) -> None:
-    """The third column: what the predictor says the paper's own models do on its two clusters; the
-    verdict then compares all three (paper, measured here, predicted there)."""
-    prediction = paper_prediction()
+class _ModelAnalysis:
+    """The model cells' figures (`--models`): added to the small model's headline rows, or rows of their own
+    where the small model has none; step times and memory only (the model cells train no accuracy)."""
+
+    def __init__(self, results: list[CellResult]):
+        self.results = results
+        self.by_key = {r.cell.key: r for r in results}
+        self.names = list(dict.fromkeys(str(r.cell.labels["model"]) for r in results))
+
+    def get(self, model: str, rest: str) -> CellResult | None:
+        return self.by_key.get(f"{model}/{rest}")
+
+    def _ratios(self, top: Callable[[str], float | None], bottom: Callable[[str], float | None]) -> dict[str, float]:
+        """Per model, top / bottom where both were measured."""
+        out = {}
+        for m in self.names:
+            ratio = _ratio(top(m), bottom(m))
+            if ratio is not None:
+                out[m] = ratio
+        return out
+
+    def step(self, model: str, rest: str) -> float | None:
+        r = self.get(model, rest)
+        return r.summary.effective_step_s if r else None
+
+    def wall(self, model: str, rest: str) -> float | None:
+        r = self.get(model, rest)
+        return r.summary.effective_wall_s if r else None
+
+    def speedups(self, network: str, world: int) -> dict[str, float]:
+        """One process's step over DDP's, at the same global batch (the small model's definition)."""
+        return self._ratios(lambda m: self.step(m, "single/w1"),
+                            lambda m: self.step(m, f"ddp/{network}/homogeneous/w{world}"))
+
+    def add_to(self, headlines: list[dict[str, str]]) -> list[dict[str, str]]:
+        rows = {h["headline"]: h for h in headlines}
+        parts = {DDP_SPEEDUP: self._ddp(), FSDP_MEMORY: self._memory(), FSDP_STEP: self._fsdp_step(),
+                 ASYNC_PS: self._async()}
+        for title, part in parts.items():
+            if part is None:
+                continue
+            measured, verdict = part
+            if title in rows:
+                rows[title]["measured"] += f". {measured[0].upper()}{measured[1:]}"
+                rows[title]["verdict"] += f"; {verdict}"
+            else:
+                rows[title] = _headline(title, measured[0].upper() + measured[1:], verdict)
+        return sorted(rows.values(), key=lambda h: HEADLINE_ORDER.index(h["headline"]))
+
+    def _setting(self, network: str = "fast") -> str:
+        return (f"the paper's models (torchvision, {MODEL_WORKLOAD['image_size']}x{MODEL_WORKLOAD['image_size']}, "
+                f"{MODEL_WORKLOAD['batch_size'] // MODEL_WORKERS} images per worker"
+                + (f", {network} network" if network else "") + ")")
+
+    def _ddp(self) -> tuple[str, str] | None:
+        w = MODEL_WORKERS
+        fast = self.speedups("fast", w)
+        if not fast:
+            return None
+        measured = f"{self._setting()}: DDP {_listing(fast, '{:.2f}x')} at {w} workers"
+        for world in SCALING_WORKERS:
+            more = self.speedups("fast", world) if world != w else {}
+            if more:
+                measured += f"; {_listing(more, '{:.2f}x')} at {world}"
+        slow = self.speedups("slow", w)
+        if slow:
+            measured += f"; on the slow network {_listing(slow, '{:.2f}x')} at {w}"
+        slower = [m for m, v in fast.items() if v < 1]
+        verdict = f"the paper's models: DDP faster than one process for {len(fast) - len(slower)} of {len(fast)}"
+        waits = [share for m in slower if (r := self.get(m, f"ddp/fast/homogeneous/w{w}"))
+                 and (share := r.summary.breakdown_fraction.get("comm_wait_s")) is not None]
+        if slower:
+            verdict += (f" ({', '.join(slower)} slower" + (f": waiting for the gradient exchange took "
+                        f"{_span(waits, '{:.0%}')} of a step" if waits else "") + ")")
+        return measured, verdict
+
+    def _memory(self) -> tuple[str, str] | None:
+        w = MODEL_WORKERS
+        states = self._ratios(lambda m: _Analysis.model_state_bytes(self.get(m, f"memory/fsdp/w{w}")),
+                              lambda m: _Analysis.model_state_bytes(self.get(m, f"memory/ddp/w{w}")))
+        if not states:
+            return None
+        peak = self._ratios(lambda m: _Analysis.peak_tensor_bytes(self.get(m, f"memory/fsdp/w{w}")),
+                            lambda m: _Analysis.peak_tensor_bytes(self.get(m, f"memory/ddp/w{w}")))
+        measured = (f"{self._setting('')} at {w} ranks: FSDP's model states per rank {_listing(states, '{:.2f}x')} "
+                    f"DDP's; with activations {_listing(peak, '{:.2f}x')}")
+        verdict = (f"the paper's models: {w}-way sharding can at most halve model states "
+                   f"({_span(states.values(), '{:.2f}x')} here), so more than 60% less needs more devices than {w}")
+        return measured, verdict
+
+    def _fsdp_step(self) -> tuple[str, str] | None:
+        w = MODEL_WORKERS
+        ratio = {n: self._ratios(lambda m: self.step(m, f"fsdp/{n}/homogeneous/w{w}"),
+                                 lambda m: self.step(m, f"ddp/{n}/homogeneous/w{w}")) for n in NETWORKS}
+        if not ratio["slow"] and not ratio["fast"]:
+            return None
+        measured = (f"{self._setting('')}: FSDP's step {_listing(ratio['slow'], '{:.2f}x') or 'n/a'} DDP's on the "
+                    f"slow network, {_listing(ratio['fast'], '{:.2f}x') or 'n/a'} on the fast one ({w} workers)")
+        slower = [m for m, v in ratio["slow"].items() if v > 1]
+        verdict = (f"the paper's models: FSDP slower than DDP on the slow network for {len(slower)} of "
+                   f"{len(ratio['slow'])}")
+        return measured, verdict
+
+    def _async(self) -> tuple[str, str] | None:
+        w = MODEL_WORKERS
+        change = {m: v - 1 for m, v in self._ratios(lambda m: self.wall(m, f"ps-async/fast/straggler/w{w}"),
+                                                    lambda m: self.wall(m, f"ps-sync/fast/straggler/w{w}")).items()}
+        if not change:
+            return None
+        measured = (f"{self._setting()}, {w} workers with a 2x straggler, {MODEL_WORKLOAD['steps']} steps: ps-async's "
+                    f"wall time {_listing(change, '{:+.0%}')} vs ps-sync's")
+        faster = [m for m, v in change.items() if v < 0]
+        verdict = (f"the paper's models: async faster for {len(faster)} of {len(change)} (their accuracy is not "
+                   "measured: a few steps each)")
+        return measured, verdict
+
+    def notes(self) -> list[str]:
+        if not self.names:
+            return []
+        return [f"{', '.join(self.names)}: torchvision's networks (weights=None) at {MODEL_WORKLOAD['image_size']}x"
+                f"{MODEL_WORKLOAD['image_size']} on the synthetic CIFAR-like images, global batch "
+                f"{MODEL_WORKLOAD['batch_size']}, {MODEL_WORKLOAD['steps']} steps per cell (the first left out as "
+                f"warm-up): step time and memory only, no accuracy; their memory cells ran at {MODEL_WORKERS} ranks "
+                "on the loopback network. The predicted column prices these same networks from their layers "
+                "recorded from one forward; n/a where that recording does not match torch's own parameter and "
+                "FLOP counts (no model table for it yet)."]
+
+
+def _listing(values: dict[str, float], fmt: str) -> str:
+    return ", ".join(f"{m} {fmt.format(v)}" for m, v in values.items())
+
+
+def _span(values: Any, fmt: str) -> str:
+    """'a' or 'a-b' (the smallest and the largest)."""
+    values = sorted(values)
+    low, high = fmt.format(values[0]), fmt.format(values[-1])
+    return low if low == high else f"{low}-{high}"
+
+
+# The headlines' titles and what the main study reports for each.
+DDP_SPEEDUP, FSDP_MEMORY, FSDP_STEP, ASYNC_PS = ("DDP speedup over one device", "FSDP peak memory per device",
+                                                 "FSDP step time vs DDP", "Async PS vs sync PS")
+PAPER_CLAIMS = {
+    DDP_SPEEDUP: "2-3x, best on homogeneous, gang-scheduled, high-bandwidth clusters",
+    FSDP_MEMORY: "4-6x lower (more than 60% less)",
+    FSDP_STEP: "higher communication; up to several times slower per step than DDP on a slow network",
+    ASYNC_PS: "up to 28% less wall-clock time, 4-17% lower accuracy",
+}
+HEADLINE_ORDER = (DDP_SPEEDUP, FSDP_MEMORY, FSDP_STEP, ASYNC_PS, "Staleness-aware protocol")
+
+
+def _headline(title: str, measured: str, verdict: str) -> dict[str, str]:
+    return {"headline": title, "paper": PAPER_CLAIMS[title], "measured": measured, "verdict": verdict}
+
+
+def _add_predictions(headlines: list[dict[str, str]], models: ModelLayers | None = None) -> None:
+    """The third column: what the predictor says the paper's own models (or the study's `models`, priced
+    from their recorded layers) do on its two clusters; the verdict then compares all three (paper,
+    measured here, predicted there)."""
+    prediction = paper_prediction(models)
     column = predicted_column(prediction)
     for h in headlines:
         h["predicted"] = column.get(h["headline"], "n/a")

@@ -578,6 +578,16 @@ def _on_meta() -> Iterator[None]:
         yield
 
 
+def _meta_or_real(build: Callable[[], Any]) -> Any:
+    """`build()` on the meta device, or on the CPU for a model whose constructor reads its own weights
+    (torchvision's RegNet copies an initialised tensor: no data on meta)."""
+    try:
+        with _on_meta():
+            return build()
+    except NotImplementedError:
+        return build()
+
+
 def model_of(spec: SourceSpec) -> nn.Module:
     """The spec's untrained model (on the current default device), its blocks recomputing if asked."""
     with warnings.catch_warnings():  # libraries' notes about future defaults, not the user's to act on
@@ -608,20 +618,21 @@ def check_model(spec: SourceSpec) -> None:
     """Build the model on the meta device and run one meta batch through it: every mistake a user can
     make in the name or the knobs shows here, before any process starts, in one line."""
     inputs = None
-    with _on_meta(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if isinstance(spec, ModuleSpec):
-            made = user_workload(spec)
+            made = _meta_or_real(lambda: user_workload(spec))
             model, inputs = made.model, made.inputs
         else:
-            model = model_of(spec)
+            model = _meta_or_real(lambda: model_of(spec))
     if isinstance(spec, ImageSpec) and spec.dataset != "synthetic":
         _check_folder(spec.dataset, Path(spec.data_dir or "."))
     if isinstance(spec, HFSpec):
         return  # transformers builds what its config allows; its forward reads mask values (.item()), not meta-safe
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
     try:
         with torch.no_grad():
-            model(example_input(spec, META_BATCH, "meta", inputs))
+            model(example_input(spec, META_BATCH, device, inputs))
     except Exception as exc:  # noqa: BLE001 (whatever the model raises, the user gets one line)
         hint = " (try a larger workload.image_size)" if isinstance(spec, ImageSpec) else ""
         raise ConfigError(f"workload.name = {spec.name!r}: the model cannot take a batch of {_input_text(spec, inputs)}: "
@@ -655,8 +666,7 @@ class _SourceWorkload(Workload):
 
     @classmethod
     def meta_model(cls, spec: WorkloadSpec) -> nn.Module | None:
-        with _on_meta():
-            return model_of(cls.checked(spec))
+        return _meta_or_real(lambda: model_of(cls.checked(spec)))
 
 
 @WORKLOADS.register("torchvision:NAME")
