@@ -592,7 +592,11 @@ def model_of(spec: SourceSpec) -> nn.Module:
     """The spec's untrained model (on the current default device), its blocks recomputing if asked."""
     with warnings.catch_warnings():  # libraries' notes about future defaults, not the user's to act on
         warnings.simplefilter("ignore")
-        model = _model_of(spec)
+        return with_recompute(_model_of(spec), spec)
+
+
+def with_recompute(model: nn.Module, spec: SourceSpec) -> nn.Module:
+    """The model, its blocks recomputing their activations in backward where the spec asks."""
     if spec.recompute == "full":
         recompute_blocks(wrap_units(model))
     return model
@@ -717,8 +721,7 @@ class ModuleWorkload(_SourceWorkload):
         spec = cls.checked(spec)
         torch.manual_seed(seed)
         made = user_workload(spec)
-        if spec.recompute == "full":
-            recompute_blocks(wrap_units(made.model))
+        with_recompute(made.model, spec)
         tokens = made.inputs == "tokens"
         if made.datasets is not None:
             train, test = made.datasets(seed)
