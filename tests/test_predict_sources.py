@@ -94,3 +94,13 @@ def test_advise_prices_an_image_model_as_predict_does(capsys, tmp_path) -> None:
                  "256", "--cluster", "a100-80gb:2x8", "--db", str(tmp_path / "none.db"), "--json"]) == 0
     advised = {s["strategy"]: s for s in json.loads(capsys.readouterr().out)["strategies"]}
     assert advised["ddp"]["compute_s"] == pytest.approx(predicted_compute, rel=1e-3)
+
+
+def test_predict_json_carries_the_memory_commands_figures(capsys) -> None:
+    out = predicted(capsys, "--model", "torchvision:resnet18", "--image-size", "64", "--classes", "10",
+                    "--cluster", "a100-80gb:1x2", "--global-batch", "8", "--strategy", "fsdp")
+    assert main(["memory", "torchvision:resnet18", "--set", "workload.image_size=64", "--strategy", "fsdp",
+                 "--cluster", "a100-80gb:1x2", "--batch", "8", "--json"]) == 0
+    (memory,) = json.loads(capsys.readouterr().out)["estimates"]
+    assert out["memory_per_rank"] == memory
+    assert memory["ranks"][0]["bytes"]["parameters"] == pytest.approx(11_181_642 * 4 / 2, rel=1e-3)  # fp32, halved

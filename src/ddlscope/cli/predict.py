@@ -455,6 +455,21 @@ def _source_layers(name: str, image_size: int, classes: int) -> tuple[Any, ...]:
 _SOURCE_NOTES: dict[str, list[str]] = {}  # notes of the models _source_layers recorded, for the prediction
 
 
+def _memory_per_rank(spec: Any, strategy: str, cluster: Any) -> dict[str, Any]:
+    """What `ddlscope memory MODEL --strategy S --cluster C --batch B --json` gives for the same model,
+    strategy, ranks and global batch: one rank's bytes by category, from the model table."""
+    from ddlscope.cli.memory import Budget, _estimate
+    from ddlscope.runtime.config import load_experiment
+
+    overrides = {"workload.name": spec.name, "workload.image_size": spec.image_size, "workload.classes": spec.classes,
+                 "workload.batch_size": spec.global_batch, "cluster.world_size": cluster.n_gpus,
+                 "strategy.name": strategy}
+    device = cluster.device
+    budget = Budget(device.key, device.memory_bytes, device.framework_overhead_bytes)
+    (estimate,) = _estimate(load_experiment(None, overrides), overrides, budget, all_strategies=False)["estimates"]
+    return estimate
+
+
 def _hf_model_spec(raw: dict[str, Any]):
     """A transformers decoder (`hf:ARCH`) as the step model's GPT: its shapes from the flags, whether
     its MLP is gated (three matrices) found by matching one layer's parameters, its embeddings and
@@ -545,6 +560,8 @@ def _predict_cnn(model_raw: dict[str, Any], parallel_raw: dict[str, Any], cluste
     if as_json:
         out = result.to_dict()
         out["sustained_fraction"] = cluster.device.efficiency.sustained_fraction
+        if ":" in spec.name:  # a model source: `ddlscope memory`'s per-rank figures for this strategy too
+            out["memory_per_rank"] = _memory_per_rank(spec, strategy, cluster)
         if fraction is not None:
             out["fitted_to_step_s"] = measured_step_s
         print(json.dumps(out))
