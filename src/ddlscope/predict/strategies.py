@@ -85,6 +85,10 @@ def image_workload(name: str, batch_per_worker: int = 64, dtype: str = "fp32", r
 
 @dataclass
 class StrategyEstimate:
+    """One strategy's step. Throughput, speedup and scaling efficiency are derived from the fields, so
+    an estimator that changes the step (a bucket plan, a straggler, a round of several models) changes
+    only the step and what it is made of."""
+
     strategy: str
     workers: int
     step_s: float
@@ -94,11 +98,22 @@ class StrategyEstimate:
     # for asynchronous servers also the queue for a busy server (so it can exceed comm_s)
     exposed_comm_s: float
     memory_bytes_per_gpu: float  # allocator peak (torch.cuda.max_memory_allocated's view: no CUDA context)
-    samples_per_s: float
-    speedup_vs_single: float = 0.0
-    scaling_efficiency: float = 0.0
+    samples_per_step: float  # samples all workers finish in step_s (asynchronous: one step of each)
+    single_samples_per_s: float = 0.0  # one device training alone, what speedup compares with (0: unknown)
     mean_staleness_steps: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples_per_step / self.step_s
+
+    @property
+    def speedup_vs_single(self) -> float:
+        return self.samples_per_s / self.single_samples_per_s if self.single_samples_per_s else 0.0
+
+    @property
+    def scaling_efficiency(self) -> float:
+        return self.speedup_vs_single / self.workers
 
 
 def compute_s(workload: Workload, cluster: Cluster) -> float:
@@ -122,19 +137,17 @@ def _slowdowns(workers: int, slowdowns: Sequence[float] | None) -> np.ndarray:
     return np.asarray(slowdowns, dtype=float)
 
 
-def _finish(est: StrategyEstimate, workload: Workload, cluster: Cluster) -> StrategyEstimate:
-    single = workload.batch_per_worker / compute_s(workload, cluster)
-    est.speedup_vs_single = est.samples_per_s / single
-    est.scaling_efficiency = est.speedup_vs_single / est.workers
-    return est
+def single_samples_per_s(workload: Workload, cluster: Cluster) -> float:
+    """What one device alone trains per second: a strategy's speedup is over this."""
+    return workload.batch_per_worker / compute_s(workload, cluster)
 
 
 def single(workload: Workload, cluster: Cluster) -> StrategyEstimate:
     c = compute_s(workload, cluster)
     mem = (workload.params * workload.state_bytes_per_param
            + workload.activation_bytes_per_sample * workload.batch_per_worker)
-    return _finish(StrategyEstimate("single", 1, c, c, 0.0, 0.0, mem,
-                                    workload.batch_per_worker / c), workload, cluster)
+    return StrategyEstimate("single", 1, c, c, 0.0, 0.0, mem, workload.batch_per_worker,
+                            single_samples_per_s(workload, cluster))
 
 
 def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0, algorithm: coll.Algorithm = "auto",
@@ -154,8 +167,8 @@ def ddp(workload: Workload, cluster: Cluster, bucket_mb: float = 25.0, algorithm
     step = c + extra_compute_s + exposed + wait
     mem = (workload.params * workload.state_bytes_per_param + 2 * bucket_mb * 1e6
            + workload.activation_bytes_per_sample * workload.batch_per_worker)
-    return _finish(StrategyEstimate(name, n, step, c + extra_compute_s, total, exposed, mem,
-                                    n * workload.batch_per_worker / step), workload, cluster)
+    return StrategyEstimate(name, n, step, c + extra_compute_s, total, exposed, mem, n * workload.batch_per_worker,
+                            single_samples_per_s(workload, cluster))
 
 
 def fsdp(workload: Workload, cluster: Cluster, zero_stage: int = 3, jitter_cv: float = 0.0,
@@ -195,8 +208,8 @@ def fsdp(workload: Workload, cluster: Cluster, zero_stage: int = 3, jitter_cv: f
     buffers = 2 * weight_bytes / units if zero_stage == 3 else 0.0  # gathered units in flight
     mem = (states + buffers + workload.activation_bytes_per_sample * workload.batch_per_worker
           )
-    return _finish(StrategyEstimate(f"fsdp-zero{zero_stage}", n, step, c, comm, exposed, mem,
-                                    n * workload.batch_per_worker / step), workload, cluster)
+    return StrategyEstimate(f"fsdp-zero{zero_stage}", n, step, c, comm, exposed, mem, n * workload.batch_per_worker,
+                            single_samples_per_s(workload, cluster))
 
 
 @dataclass(frozen=True)
@@ -267,8 +280,8 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
         c = float(c_each.max())
         comm = exchange_s(w)
         step = c + comm + _straggler_wait_s(c, w, jitter_cv)
-        return _finish(StrategyEstimate("ps-sync", w, step, c, comm, comm, mem, w * workload.batch_per_worker / step),
-                       workload, cluster)
+        return StrategyEstimate("ps-sync", w, step, c, comm, comm, mem, w * workload.batch_per_worker,
+                                single_samples_per_s(workload, cluster))
     if block_cyclic:
         block, per_server = grad_bytes / server.servers, max(w / server.servers, 1.0)
         alone = exchange_s(1, block, 1)
@@ -287,10 +300,11 @@ def parameter_server(workload: Workload, cluster: Cluster, mode: Literal["sync",
     if mode == "ssp":
         staleness_steps = min(staleness_steps, float(staleness))
     est = StrategyEstimate(f"ps-{mode}", w, step, float(c_each.mean()), alone, max(step - float(c_each.mean()), 0.0),
-                           mem, rate * workload.batch_per_worker, mean_staleness_steps=max(staleness_steps, 0.0))
+                           mem, w * workload.batch_per_worker, single_samples_per_s(workload, cluster),
+                           mean_staleness_steps=max(staleness_steps, 0.0))
     if rate >= capacity:
         est.notes.append("server-bound: the servers' links or CPUs cap the update rate")
-    return _finish(est, workload, cluster)
+    return est
 
 
 def local_sgd(workload: Workload, cluster: Cluster, period: int = 8, overlap: bool = False,
@@ -309,9 +323,9 @@ def local_sgd(workload: Workload, cluster: Cluster, period: int = 8, overlap: bo
     step = c + exposed_per_period / period
     mem = (workload.params * (workload.state_bytes_per_param + 4.0)  # + the copy being averaged
            + workload.activation_bytes_per_sample * workload.batch_per_worker)
-    return _finish(StrategyEstimate("cocod" if overlap else "local-sgd", n, step, c, average / period,
-                                    exposed_per_period / period, mem, n * workload.batch_per_worker / step),
-                   workload, cluster)
+    return StrategyEstimate("cocod" if overlap else "local-sgd", n, step, c, average / period,
+                            exposed_per_period / period, mem, n * workload.batch_per_worker,
+                            single_samples_per_s(workload, cluster))
 
 
 def compressed_ddp(workload: Workload, cluster: Cluster, method: str = "fp16", ratio: float = 0.01, rank: int = 4,
@@ -347,9 +361,9 @@ def compressed_ddp(workload: Workload, cluster: Cluster, method: str = "fp16", r
         # encode: a few passes over the fp32 gradient; decode: every rank reads all n messages and adds them
         codec = encode_passes * 4 * p / mem_bw + n * (bytes_per_param + 8.0) * p / mem_bw
         step = base.compute_s + codec + comm  # the encoders need whole buckets: modelled as not overlapping
-        return _finish(StrategyEstimate(f"ddp-{method}", n, step, base.compute_s + codec, comm, comm,
-                                        base.memory_bytes_per_gpu + 4 * p, n * workload.batch_per_worker / step),
-                       workload, cluster)
+        return StrategyEstimate(f"ddp-{method}", n, step, base.compute_s + codec, comm, comm,
+                                base.memory_bytes_per_gpu + 4 * p, n * workload.batch_per_worker,
+                                single_samples_per_s(workload, cluster))
     if method == "powersgd":
         if rank < 1:
             raise ConfigError(f"rank = {rank}: must be >= 1")

@@ -112,11 +112,8 @@ def cluster_plan(spec: DDPSpec, case: ClusterCase) -> plans.BucketPlan:
 
 def _with_plan(plain: pst.StrategyEstimate, plan: plans.BucketPlan) -> pst.StrategyEstimate:
     """DDP's estimate with the plan's exposed communication in place of the size buckets'."""
-    step = plain.step_s - plain.exposed_comm_s + plan.exposed_s
-    return dataclasses.replace(plain, step_s=step, exposed_comm_s=plan.exposed_s,
-                               samples_per_s=plain.samples_per_s * plain.step_s / step,
-                               speedup_vs_single=plain.speedup_vs_single * plain.step_s / step,
-                               scaling_efficiency=plain.scaling_efficiency * plain.step_s / step)
+    return dataclasses.replace(plain, step_s=plain.step_s - plain.exposed_comm_s + plan.exposed_s,
+                               exposed_comm_s=plan.exposed_s)
 
 
 def knob_advice(spec: DDPSpec, case: ClusterCase, mine: pst.StrategyEstimate) -> str:

@@ -47,11 +47,10 @@ class FederatedEstimator(Estimator):
         est = pst.local_sgd(case.workload, case.cluster, period=steps)
         n = case.cluster.n_gpus
         sampled = max(1, round(spec.client_fraction * n)) / n
-        scale = sampled / models  # fewer clients compute; each trains `models` models on the same samples
+        # fewer clients compute a round; each trains `models` models on the same samples, one after another
         est = replace(est, strategy=spec.name, step_s=est.step_s * models, compute_s=est.compute_s * models,
                       comm_s=est.comm_s * models, exposed_comm_s=est.exposed_comm_s * models,
-                      samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
-                      scaling_efficiency=est.scaling_efficiency * scale, notes=est.notes + [
+                      samples_per_step=est.samples_per_step * sampled, notes=est.notes + [
                           f"{spec.name}: a round of {steps} local steps"
                           + ("" if spec.local_steps else " (nominal: local_epochs over data of unknown size)")
                           + f", {sampled:.0%} of the clients sampled, {models} model(s) trained per round"])

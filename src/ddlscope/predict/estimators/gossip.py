@@ -95,10 +95,9 @@ def asynchronous_estimate(name: str, case: ClusterCase, compute_s: float, comm_s
     rate = float(np.sum(1.0 / cycles))  # steps per second, all workers together
     step_s = n / rate  # the mean time for every worker to take one step
     est = pst.StrategyEstimate(name, n, step_s, float(computes.mean()), comm_s,
-                               float(np.mean(cycles - computes)), memory_bytes, rate * w.batch_per_worker,
+                               float(np.mean(cycles - computes)), memory_bytes, n * w.batch_per_worker,
+                               w.batch_per_worker / compute_s,
                                mean_staleness_steps=float(np.mean(cycles.max() / cycles - 1.0)))
-    est.speedup_vs_single = est.samples_per_s / (w.batch_per_worker / compute_s)
-    est.scaling_efficiency = est.speedup_vs_single / n
     if len(set(slowdowns.tolist())) > 1:
         est.notes.append(f"asynchronous: a {slowdowns.max():g}x slower worker slows only itself")
     return est

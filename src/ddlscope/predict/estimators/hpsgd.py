@@ -26,10 +26,8 @@ def synchronising_estimate(name: str, case: ClusterCase, compute_s: float, comm_
     """A step of compute plus exposed communication, every worker met each step (the slowest sets the pace)."""
     w, n = case.workload, case.cluster.n_gpus
     step_s = compute_s + exposed_s
-    est = pst.StrategyEstimate(name, n, step_s, compute_s, comm_s, exposed_s, memory_bytes,
-                               n * w.batch_per_worker / step_s)
-    est.speedup_vs_single = est.samples_per_s / (w.batch_per_worker / compute_s)
-    est.scaling_efficiency = est.speedup_vs_single / n
+    est = pst.StrategyEstimate(name, n, step_s, compute_s, comm_s, exposed_s, memory_bytes, n * w.batch_per_worker,
+                               w.batch_per_worker / compute_s)
     return straggler_bound(est, case)
 
 

@@ -31,11 +31,8 @@ def straggler_bound(est: pst.StrategyEstimate, case: ClusterCase) -> pst.Strateg
     if slowest <= 1.0:
         return est
     extra_s = est.compute_s * (slowest - 1.0)
-    scale = est.step_s / (est.step_s + extra_s)
-    return replace(est, step_s=est.step_s + extra_s, compute_s=est.compute_s + extra_s,
-                   samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
-                   scaling_efficiency=est.scaling_efficiency * scale, notes=est.notes + [
-                       f"waits for a {slowest:g}x slower worker at each synchronisation"])
+    return replace(est, step_s=est.step_s + extra_s, compute_s=est.compute_s + extra_s, notes=est.notes + [
+        f"waits for a {slowest:g}x slower worker at each synchronisation"])
 
 
 def extra_copies_bytes(case: ClusterCase, copies: float) -> float:
@@ -103,11 +100,8 @@ def _compressed_average(est: pst.StrategyEstimate, case: ClusterCase, fraction: 
     full_bytes = case.workload.params * 4.0
     ratio = float(coll.all_reduce_s(full_bytes * fraction, n, min(n, g), node) / coll.all_reduce_s(full_bytes, n,
                                                                                                  min(n, g), node))
-    step = est.step_s - est.exposed_comm_s * (1 - ratio)
-    scale = est.step_s / step
-    return replace(est, step_s=step, comm_s=est.comm_s * ratio, exposed_comm_s=est.exposed_comm_s * ratio,
-                   samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
-                   scaling_efficiency=est.scaling_efficiency * scale)
+    return replace(est, step_s=est.step_s - est.exposed_comm_s * (1 - ratio), comm_s=est.comm_s * ratio,
+                   exposed_comm_s=est.exposed_comm_s * ratio)
 
 
 @ESTIMATORS.register(LocalSGDSpec)
@@ -126,11 +120,8 @@ class LocalSGDEstimator(ModelAveragingEstimator):
         # The steps that average across all ranks skip the group average (torch's hierarchy).
         group_share = 1.0 / spec.group_period - 1.0 / spec.period
         extra_s = group_s * group_share
-        step = est.step_s + extra_s
-        scale = est.step_s / step
-        return replace(est, step_s=step, comm_s=est.comm_s + extra_s, exposed_comm_s=est.exposed_comm_s + extra_s,
-                       samples_per_s=est.samples_per_s * scale, speedup_vs_single=est.speedup_vs_single * scale,
-                       scaling_efficiency=est.scaling_efficiency * scale)
+        return replace(est, step_s=est.step_s + extra_s, comm_s=est.comm_s + extra_s,
+                       exposed_comm_s=est.exposed_comm_s + extra_s)
 
 
 @ESTIMATORS.register(DiLoCoSpec)

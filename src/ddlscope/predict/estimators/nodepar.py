@@ -25,11 +25,8 @@ class NodeParallelEstimator(Estimator):
         step_s = compute_s + comm_s
         memory, _ = self.cluster_memory(spec, case)
         global_batch = w.batch_per_worker * t
-        est = pst.StrategyEstimate("nodepar", t, step_s, compute_s, comm_s, comm_s, memory, global_batch / step_s,
-                                   notes=[HALO_NOTE])
-        est.speedup_vs_single = est.samples_per_s / (w.batch_per_worker / pst.compute_s(w, case.cluster))
-        est.scaling_efficiency = est.speedup_vs_single / t
-        return est
+        return pst.StrategyEstimate("nodepar", t, step_s, compute_s, comm_s, comm_s, memory, global_batch,
+                                    pst.single_samples_per_s(w, case.cluster), notes=[HALO_NOTE])
 
     def cluster_memory(self, spec: NodeParallelSpec, case: ClusterCase) -> tuple[float, float | None]:
         # the worker's activations are 1/t of the whole graph's; t workers' batches make the whole graph's

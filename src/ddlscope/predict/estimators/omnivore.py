@@ -62,10 +62,9 @@ def omnivore_estimate(spec: OmnivoreSpec, case: ClusterCase, memory_bytes: float
     step = k / rate  # every group pushes once
     comm = all_reduce + alone + broadcast
     est = pst.StrategyEstimate(spec.name, n, step, float(c_each.mean()), comm, max(step - float(c_each.mean()), 0.0),
-                               memory_bytes, rate * size * w.batch_per_worker,
+                               memory_bytes, k * size * w.batch_per_worker,  # every group pushes once a step
+                               pst.single_samples_per_s(w, case.cluster),
                                mean_staleness_steps=max(float(rate * np.mean(cycles) - 1.0), 0.0))
-    est.speedup_vs_single = est.samples_per_s / (w.batch_per_worker / pst.compute_s(w, case.cluster))
-    est.scaling_efficiency = est.speedup_vs_single / n
     est.notes.append(f"omnivore: {k} group(s) of {size}: all-reduce {all_reduce * 1e3:.2f} ms and broadcast "
                      f"{broadcast * 1e3:.2f} ms inside a group, the leader's push and pull {alone * 1e3:.2f} ms")
     if rate >= capacity:

@@ -31,14 +31,10 @@ class PartitionedEstimator(Estimator):
         idle_s = compute_s * chain_wait_fraction(p)
         step_s = compute_s + idle_s
         memory, _ = self.cluster_memory(spec, case)
-        est = pst.StrategyEstimate("partitioned", p, step_s, compute_s, 0.0, idle_s, memory,
-                                   w.batch_per_worker * p / step_s,
-                                   notes=["partitioned: each part trains on its own synthetic-target loss, not the "
-                                          "end-to-end model (accuracy differs); activation sends not priced"])
-        single = w.batch_per_worker / pst.compute_s(w, case.cluster)
-        est.speedup_vs_single = est.samples_per_s / single
-        est.scaling_efficiency = est.speedup_vs_single / p
-        return est
+        return pst.StrategyEstimate("partitioned", p, step_s, compute_s, 0.0, idle_s, memory, w.batch_per_worker * p,
+                                    pst.single_samples_per_s(w, case.cluster),
+                                    notes=["partitioned: each part trains on its own synthetic-target loss, not the "
+                                           "end-to-end model (accuracy differs); activation sends not priced"])
 
     def cluster_memory(self, spec: PartitionedSpec, case: ClusterCase) -> tuple[float, float | None]:
         # 1/p of the model's states; its activations for the whole global batch, which is what a

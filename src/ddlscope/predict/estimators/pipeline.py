@@ -34,14 +34,10 @@ class PipelineEstimator(Estimator):
                                              max(1, case.cluster.gpus_per_node // p), case.cluster.node))
         step_s = compute_s + idle_s + comm_s
         memory, _ = self.cluster_memory(spec, case)
-        est = pst.StrategyEstimate("pipeline", n, step_s, compute_s, comm_s, idle_s + comm_s, memory,
-                                   w.batch_per_worker * n / step_s,
-                                   notes=[f"bubble {idle_s / compute_s:.0%} of compute; activation sends "
-                                          "between stages not priced"])
-        single = w.batch_per_worker / pst.compute_s(w, case.cluster)
-        est.speedup_vs_single = est.samples_per_s / single
-        est.scaling_efficiency = est.speedup_vs_single / n
-        return est
+        return pst.StrategyEstimate("pipeline", n, step_s, compute_s, comm_s, idle_s + comm_s, memory,
+                                    w.batch_per_worker * n, pst.single_samples_per_s(w, case.cluster),
+                                    notes=[f"bubble {idle_s / compute_s:.0%} of compute; activation sends "
+                                           "between stages not priced"])
 
     def cluster_memory(self, spec: PipelineSpec, case: ClusterCase) -> tuple[float, float | None]:
         p, m = spec.pipeline_ranks(case.cluster.n_gpus), spec.micro_batches

@@ -32,12 +32,9 @@ class TPEstimator(Estimator):
         comm_s = 4 * max(w.layers, 1) * per_all_reduce
         step_s = compute_s + comm_s
         memory, _ = self.cluster_memory(spec, case)
-        est = pst.StrategyEstimate("tp", case.cluster.n_gpus, step_s, compute_s, comm_s, comm_s, memory, global_batch / step_s,
-                                   notes=["tensor-parallel all-reduces not overlapped (Megatron-LM)"])
-        single = w.batch_per_worker / pst.compute_s(w, case.cluster)
-        est.speedup_vs_single = est.samples_per_s / single
-        est.scaling_efficiency = est.speedup_vs_single / case.cluster.n_gpus
-        return est
+        return pst.StrategyEstimate("tp", case.cluster.n_gpus, step_s, compute_s, comm_s, comm_s, memory, global_batch,
+                                    pst.single_samples_per_s(w, case.cluster),
+                                    notes=["tensor-parallel all-reduces not overlapped (Megatron-LM)"])
 
     def cluster_notes(self, spec: TPSpec, case: ClusterCase) -> list[str]:
         if spec.tp_degree(case.cluster.n_gpus) > case.cluster.gpus_per_node:
