@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from ddlscope.predict import cnn
 from ddlscope.predict import strategies as pst
@@ -35,15 +35,18 @@ from ddlscope.predict.cnn import CNNSpec
 from ddlscope.predict.estimators import ClusterCase, estimator_for
 from ddlscope.predict.planner import PlanResult, PlanRow, divisors
 from ddlscope.predict.specs import ParallelSpec, Prediction
-from ddlscope.specs import ConfigError
+from ddlscope.specs import STRATEGY_SPECS, ConfigError, StrategySpec
 from ddlscope.specs.strategies.ddp import DDPSpec
 from ddlscope.specs.strategies.fsdp import FSDPSpec
 from ddlscope.specs.strategies.ps import PSAsyncSpec, PSSyncSpec
 
 GB = 1e9
-CNNStrategy = Literal["ddp", "fsdp", "ps-sync", "ps-async"]
-CNN_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "ps-sync", "ps-async")
-PLAN_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "ps-sync")  # synchronous: the same training, only faster or slower
+# The strategies a CNN is priced under: the main study's replicated and sharded collectives and its
+# synchronous and asynchronous parameter servers, each by its spec class (their names are their own).
+CNN_STRATEGY_SPECS: tuple[type[StrategySpec], ...] = (DDPSpec, FSDPSpec, PSSyncSpec, PSAsyncSpec)
+CNN_STRATEGIES: tuple[str, ...] = tuple(cls.registered_name for cls in CNN_STRATEGY_SPECS)
+# plan ranks the synchronous ones: the same training, only faster or slower
+PLAN_STRATEGIES: tuple[str, ...] = tuple(cls.registered_name for cls in CNN_STRATEGY_SPECS if cls.traits.synchronous)
 WEIGHT_BYTES_PER_PARAM = 4.0  # fp32 parameters and gradients (PyTorch AMP keeps them fp32)
 # Host-memory bytes a parameter server moves per gradient byte it sums: read the arriving
 # gradient, read and write the running sum.
@@ -80,11 +83,12 @@ def optimizer_step_s(params: float, optimizer: str, bytes_per_s: float) -> float
 
 def strategy_of(parallel: ParallelSpec, strategy: str | None) -> str:
     """The strategy a CNN configuration names: --strategy, else ZeRO-3 = FSDP, else DDP."""
+    sharded = next(cls.registered_name for cls in CNN_STRATEGY_SPECS if cls.traits.shards_model_states)
     if strategy is None:
-        return "fsdp" if parallel.zero == 3 else "ddp"
+        return sharded if parallel.zero == 3 else CNN_STRATEGIES[0]
     if strategy not in CNN_STRATEGIES:
         raise ConfigError(f"strategy = {strategy!r}: allowed for a CNN: {', '.join(CNN_STRATEGIES)}")
-    if parallel.zero == 3 and strategy != "fsdp":
+    if parallel.zero == 3 and strategy != sharded:
         raise ConfigError(f"zero = 3 is FSDP: it does not go with strategy = {strategy!r}")
     return strategy
 
@@ -110,10 +114,43 @@ def validate_cnn_parallel(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluste
     if spec.global_batch % (parallel.dp * parallel.micro_batch):
         raise ConfigError(f"global_batch = {spec.global_batch}: must be divisible by dp x micro_batch = "
                           f"{parallel.dp} x {parallel.micro_batch} = {parallel.dp * parallel.micro_batch}")
-    if strategy.startswith("ps") and not cluster.node.host_memory_bytes_per_s:
+    if _has_servers(strategy) and not cluster.node.host_memory_bytes_per_s:
         raise ConfigError(f"strategy = {strategy!r}: the catalogue has no host CPU figures for {cluster.name} "
                           "(host_memory_gb_per_s); use a cluster that has them, e.g. paper-fast or paper-slow")
     cluster.device.peak(spec.dtype)
+
+
+def _strategy_spec(strategy: str, parallel: ParallelSpec) -> StrategySpec:
+    """The strategy's spec with the configuration's knobs (DDP's bucket size)."""
+    cls = STRATEGY_SPECS.get(strategy)
+    return cls(bucket_mb=parallel.bucket_mb) if "bucket_mb" in cls.model_fields else cls()
+
+
+def _shards(strategy: str) -> bool:
+    """Whether the strategy shards the model states (ZeRO-3)."""
+    return STRATEGY_SPECS.get(strategy).traits.shards_model_states
+
+
+def _has_servers(strategy: str) -> bool:
+    """Whether the strategy's optimizer steps on parameter servers (a CPU host the catalogue must price)."""
+    return not STRATEGY_SPECS.get(strategy).traits.local_optimizer
+
+
+def _strategy_notes(strategy: str, traits: Any, counts: Any, server: pst.ServerSpec, cluster: Cluster,
+                    weights: float, est: pst.StrategyEstimate) -> list[str]:
+    notes: list[str] = []
+    if traits.shards_model_states:
+        notes.append(f"{strategy}: {counts.units} units (FULL_SHARD), every micro-batch gathers and reduce-scatters; "
+                     "units are priced as equal shares of the model")
+    if not traits.local_optimizer:
+        where = "its NIC" if cluster.nodes > 1 else "its PCIe link to the GPUs"
+        notes.append(f"{strategy}: one CPU server; {cluster.n_gpus} workers push {weights / 1e6:.0f} MB of gradients "
+                     f"and pull the weights through {where} ({server.link_gb_per_s:.1f} GB/s); it sums at "
+                     f"{server.aggregate_gb_per_s:.1f} GB/s and steps in {server.update_s * 1e3:.2f} ms (host "
+                     f"memory {cluster.node.host_memory_bytes_per_s / 1e9:.1f} GB/s)")
+    if not traits.synchronous:
+        notes.append(f"{strategy}: mean staleness {est.mean_staleness_steps:.2f} steps")
+    return notes
 
 
 def server_spec(cluster: Cluster, params: float, optimizer: str) -> pst.ServerSpec:
@@ -155,7 +192,7 @@ def predict_cnn(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluster, strateg
                             # gradients leave during the last micro-batch's backward only (DDP's no_sync)
                             backward_fraction=backward_mb / c if parallel.overlap_grad_reduce else 0.0)
 
-    server = server_spec(cluster, params, spec.optimizer) if strategy.startswith("ps") else pst.ServerSpec()
+    server = server_spec(cluster, params, spec.optimizer) if _has_servers(strategy) else pst.ServerSpec()
 
     def case(w: pst.Workload) -> ClusterCase:
         slowdowns = [1.0] * (cluster.n_gpus - 1) + [straggler] if straggler > 1 else None
@@ -165,39 +202,22 @@ def predict_cnn(spec: CNNSpec, parallel: ParallelSpec, cluster: Cluster, strateg
 
     weights = WEIGHT_BYTES_PER_PARAM * params
     activations = counts.activation_bytes_per_sample * b
-    other = dev.framework_overhead_bytes
-    zero_comm = dp_sync = optimizer_s = 0.0
-    server_memory = None
-    notes: list[str] = []
-    if strategy == "ddp":
-        ddp_spec = DDPSpec(bucket_mb=parallel.bucket_mb)
-        est = estimator_for(ddp_spec).cluster(ddp_spec, case(workload(per_gpu, m)))
-        step_wo_opt, dp_sync, comm = est.step_s, est.exposed_comm_s, est.comm_s
-        optimizer_s = optimizer_step_s(params, spec.optimizer, mem_bw)
-        states = {"parameters": weights, "gradients": weights, "optimizer": opt_bytes * params}
-        other += 2 * parallel.bucket_mb * 2**20  # DDP's gradient buckets (flat copies being reduced)
-    elif strategy == "fsdp":
-        fsdp_spec = FSDPSpec()
-        est = estimator_for(fsdp_spec).cluster(fsdp_spec, case(workload(b, 1)))  # every micro-batch gathers
-        step_wo_opt, zero_comm, comm = m * est.step_s, m * est.exposed_comm_s, m * est.comm_s
-        optimizer_s = optimizer_step_s(params / n, spec.optimizer, mem_bw)
-        states = {"parameters": weights / n, "gradients": weights / n, "optimizer": opt_bytes * params / n}
-        other += 2 * WEIGHT_BYTES_PER_PARAM * counts.largest_unit_params  # the unit in use and the prefetched one
-        notes.append(f"fsdp: {counts.units} units (FULL_SHARD), every micro-batch gathers and reduce-scatters; "
-                     "units are priced as equal shares of the model")
-    else:
-        ps_spec = PSSyncSpec() if strategy == "ps-sync" else PSAsyncSpec()
-        est = estimator_for(ps_spec).cluster(ps_spec, case(workload(per_gpu, m)))
-        step_wo_opt, dp_sync, comm = est.step_s, est.exposed_comm_s, est.comm_s
-        states = {"parameters": weights, "gradients": weights, "optimizer": 0.0}
-        server_memory = (weights + opt_bytes * params) / GB
-        where = "its NIC" if cluster.nodes > 1 else "its PCIe link to the GPUs"
-        notes.append(f"{strategy}: one CPU server; {n} workers push {weights / 1e6:.0f} MB of gradients and pull "
-                     f"the weights through {where} ({server.link_gb_per_s:.1f} GB/s); it sums at "
-                     f"{server.aggregate_gb_per_s:.1f} GB/s and steps in {server.update_s * 1e3:.2f} ms (host "
-                     f"memory {cluster.node.host_memory_bytes_per_s / 1e9:.1f} GB/s)")
-        if strategy == "ps-async":
-            notes.append(f"ps-async: mean staleness {est.mean_staleness_steps:.2f} steps")
+    strategy_spec = _strategy_spec(strategy, parallel)
+    traits, estimator = strategy_spec.traits, estimator_for(strategy_spec)
+    # Sharded model states are gathered for every micro-batch; the others exchange once a step.
+    sharded = traits.shards_model_states
+    est = estimator.cluster(strategy_spec, case(workload(b, 1) if sharded else workload(per_gpu, m)))
+    repeats = m if sharded else 1
+    step_wo_opt, comm, exposed = repeats * est.step_s, repeats * est.comm_s, repeats * est.exposed_comm_s
+    zero_comm, dp_sync = (exposed, 0.0) if sharded else (0.0, exposed)
+    shards = n if sharded else 1
+    optimizer_bytes = opt_bytes * params / shards if traits.local_optimizer else 0.0  # else on the servers
+    optimizer_s = optimizer_step_s(params / shards, spec.optimizer, mem_bw) if traits.local_optimizer else 0.0
+    states = {"parameters": weights / shards, "gradients": weights / shards, "optimizer": optimizer_bytes}
+    other = dev.framework_overhead_bytes + estimator.communication_buffer_bytes(
+        strategy_spec, weights, WEIGHT_BYTES_PER_PARAM * counts.largest_unit_params)
+    server_memory = (weights + opt_bytes * params) / GB if not traits.local_optimizer else None
+    notes = _strategy_notes(strategy, traits, counts, server, cluster, weights, est)
     notes.extend(est.notes)
     step_s = step_wo_opt + optimizer_s
     memory = {**states, "activations": activations, "other": other}
@@ -265,10 +285,10 @@ def plan_cnn(spec: CNNSpec, cluster: Cluster, top: int = 5, rank_by: str = "time
         n = sub.n_gpus
         if spec.global_batch % n:
             continue
-        strategies = [s for s in PLAN_STRATEGIES if not s.startswith("ps") or sub.node.host_memory_bytes_per_s]
+        strategies = [s for s in PLAN_STRATEGIES if not _has_servers(s) or sub.node.host_memory_bytes_per_s]
         for b in divisors(spec.global_batch // n, max_micro_batch):
             for strategy in strategies:
-                parallel = ParallelSpec(dp=n, micro_batch=b, zero=3 if strategy == "fsdp" else 0,
+                parallel = ParallelSpec(dp=n, micro_batch=b, zero=3 if _shards(strategy) else 0,
                                         overlap_grad_reduce=overlap_grad_reduce,
                                         fused_grad_accumulation=fused_grad_accumulation)
                 scored.append(predict_cnn(spec, parallel, sub, strategy, spot))

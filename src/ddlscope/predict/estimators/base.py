@@ -106,6 +106,11 @@ class Estimator:
         """What advise should say of this strategy on this case beyond the estimate's own notes."""
         return []
 
+    def communication_buffer_bytes(self, spec: StrategySpec, param_bytes: float, largest_unit_bytes: float) -> float:
+        """Bytes per GPU the strategy's exchange holds beyond the model states (buckets, gathered units):
+        none by default."""
+        return 0.0
+
     def transformer_layout(self, spec: StrategySpec, workers: int) -> dict[str, Any] | None:
         """The transformer layout this strategy is (ParallelSpec fields), where the planner's step model
         prices it: advise then prices a transformer workload under it exactly as `plan` prices that

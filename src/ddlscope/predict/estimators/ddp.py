@@ -54,6 +54,9 @@ class DDPEstimator(Estimator):
     def cluster_memory(self, spec: DDPSpec, case: ClusterCase) -> tuple[float, float | None]:
         return case.replicated_state_bytes + 2 * spec.bucket_mb * 2**20 + case.activation_bytes, None
 
+    def communication_buffer_bytes(self, spec: DDPSpec, param_bytes: float, largest_unit_bytes: float) -> float:
+        return 2 * spec.bucket_mb * 2**20  # the gradient buckets: flat copies being reduced
+
     def transformer_layout(self, spec: DDPSpec, workers: int) -> dict[str, object] | None:
         # plain DDP only: the step model has no compression hooks or bucket plans
         if spec.comm_hook != "none" or spec.buckets != "size":

@@ -24,6 +24,9 @@ class FSDPEstimator(Estimator):
         gathered = 2 * case.weight_bytes_per_param * case.workload.params / units  # the unit in use and the next
         return case.replicated_state_bytes / case.cluster.n_gpus + gathered + case.activation_bytes, None
 
+    def communication_buffer_bytes(self, spec: FSDPSpec, param_bytes: float, largest_unit_bytes: float) -> float:
+        return 2 * largest_unit_bytes  # the unit in use and the prefetched one, gathered
+
     def transformer_layout(self, spec: FSDPSpec, workers: int) -> dict[str, object] | None:
         # ZeRO-3 gathers parameters again for backward: FSDP's reshard_after_forward
         return {"dp": workers, "zero": 3} if spec.reshard_after_forward else None
