@@ -29,18 +29,20 @@ from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.base import Batch, Strategy, StepTimer
 from ddlscope.strategies.comm import CommStats
 from ddlscope.strategies.pipeline import (
-    StageModule, broadcast_tensor, gather_state_dict, recv_tensor, send_tensor, share_value)
+    SourceLayout, StageModule, broadcast_tensor, gather_state_dict, recv_tensor, send_tensor, share_value,
+    source_layers)
+from ddlscope.workloads.sequential import with_parameters
 
 
-def layer_sequence(model: nn.Module) -> list[nn.Module]:
-    """The model as layers applied in order: a GPT's pipeline_layers(), an nn.Sequential's modules."""
+def layer_sequence(model: nn.Module, workload: str | None = None) -> list[nn.Module]:
+    """The model as layers applied in order: a GPT's pipeline_layers(), an nn.Sequential's modules, a
+    model source's layers in forward order (workloads/sequential.py)."""
     layers = getattr(model, "pipeline_layers", None)
     if callable(layers):
         return list(layers())
     if isinstance(model, nn.Sequential):
         return list(model)
-    raise ConfigError(f"strategy partitioned cuts a model into consecutive layers; {type(model).__name__} is "
-                      "neither an nn.Sequential nor has pipeline_layers()")
+    return source_layers(model, "partitioned", workload)
 
 
 def part_cuts(spec: PartitionedSpec, layers: list[nn.Module], parts: int) -> list[int]:
@@ -71,7 +73,16 @@ class Partitioned(Strategy):
 
     @classmethod
     def check_model(cls, spec: StrategySpec, model: nn.Module) -> None:
-        layer_sequence(model)
+        assert isinstance(spec, PartitionedSpec)
+        layers = layer_sequence(model, spec._workload)
+        parts = spec._world_size
+        if parts is None:
+            return
+        if spec.partition and spec.partition[-1] >= len(layers):
+            raise ConfigError(f"strategy.partition = {spec.partition}: the model has {len(layers)} layers; cut "
+                              f"points must be within 1..{len(layers) - 1}")
+        if not spec.partition:
+            even_cuts(with_parameters(layers), parts)  # a layer with parameters per part, or one line
 
     def wrap(self, model: nn.Module) -> nn.Module:
         layers = layer_sequence(model)
@@ -81,7 +92,7 @@ class Partitioned(Strategy):
         self._names = {id(t): name for name, t in model.state_dict(keep_vars=True).items()}
         self._order = list(self._names.values())
         # A weightless copy of the whole model: the shapes every part sends and receives.
-        self._shapes_of = nn.Sequential(*copy.deepcopy(layers)).to("meta")
+        self._shapes_of = self._weightless(model, layers)
         self._shapes: dict[tuple[int, ...], list[torch.Size]] = {}
         self._targets: dict[int, torch.Tensor] = {}
         part = StageModule(layers, *self.ranges[self.me])
@@ -92,6 +103,15 @@ class Partitioned(Strategy):
                 layer.to("meta")
         self.last = self.me == self.parts - 1
         return PartitionedModel(part, self)
+
+    def _weightless(self, model: nn.Module, layers: list[nn.Module]) -> nn.Sequential:
+        """The layers on the meta device: a model source's built afresh there (a recomputing block's
+        forward is bound to the original, which a deep copy would call), else a deep copy."""
+        if not (callable(getattr(model, "pipeline_layers", None)) or isinstance(model, nn.Sequential)):
+            layout = SourceLayout.of(self.ctx.experiment.workload)
+            if layout is not None and len(layout.layers) == len(layers):
+                return nn.Sequential(*layout.layers)
+        return nn.Sequential(*copy.deepcopy(layers)).to("meta")
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

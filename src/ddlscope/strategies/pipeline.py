@@ -1,5 +1,12 @@
 """`pipeline`: the model cut into stages on torch.distributed.pipelining, one schedule step per step.
 
+The model is a sequence of layers: a GPT's `pipeline_layers()`, or a model
+source's layers as its forward applies them (workloads/sequential.py:
+torchvision/timm chains traced by torch.fx, Hugging Face decoders cut into
+embedding, decoder layers and norm + head). A source's default cut balances
+the layers' forward FLOPs over the stages (counted on the meta device), and
+starts a stage only at a layer with parameters.
+
 Every rank builds the whole model from the seed, keeps the layers of its
 stages (rank r holds stages r, r + p, ...: torch's looped placement) and
 turns the rest into meta tensors, so its memory is its stages'. The schedule
@@ -29,11 +36,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.utils.checkpoint import checkpoint
 
-from ddlscope.specs.strategies.pipeline import PipelineSpec, stage_ranges
+from ddlscope.specs import ConfigError, StrategySpec
+from ddlscope.specs.strategies.pipeline import PipelineSpec, check_cuts, stage_ranges
 from ddlscope.strategies import RUNTIMES
 from ddlscope.strategies.averaging import InFlightAverage, flat_gradients, load_flat_gradients
 from ddlscope.strategies.base import Batch, Strategy, StepTimer
 from ddlscope.strategies.comm import CommStats
+from ddlscope.workloads.sequential import (
+    NotAChain, balanced_cuts, layer_flops, shared_parameters, split_layers, with_parameters)
 
 SCHEDULES: dict[str, type[schedules._PipelineSchedule]] = {
     "gpipe": schedules.ScheduleGPipe,
@@ -48,11 +58,102 @@ SHAPE_SLOTS = 8  # a tensor's header: rank count, then up to 7 dimensions
 
 
 def model_layers(model: nn.Module) -> list[nn.Module]:
-    """The model as a sequence of layers (GPT.pipeline_layers)."""
+    """The model as a sequence of layers (GPT.pipeline_layers, or a source's: workloads/sequential.py)."""
     layers = getattr(model, "pipeline_layers", None)
-    if not callable(layers):
-        raise TypeError(f"{type(model).__name__} does not split into pipeline layers (no pipeline_layers())")
-    return list(layers())
+    if callable(layers):
+        return list(layers())
+    return source_layers(model, "pipeline")
+
+
+def source_layers(model: nn.Module, strategy: str, workload: str | None = None) -> list[nn.Module]:
+    """A model source's layers in order; a ConfigError of one line where its forward is not a chain or
+    two layers share parameters (stages apart, each would train its own copy)."""
+    what = f"workload.name = {workload!r}" if workload else type(model).__name__
+    try:
+        layers = split_layers(model)
+    except NotAChain as reason:
+        raise ConfigError(f"{what}: strategy {strategy} cuts a model into layers applied in order; "
+                          f"{reason}") from None
+    shared = shared_parameters(layers)
+    if shared:
+        parameter, first, second = shared[0]
+        name = next((n for n, p in model.named_parameters() if p is parameter), "a parameter")
+        raise ConfigError(f"{what}: layers {first} and {second} of its sequence share {name} (tied weights); "
+                          f"strategy {strategy} would train a copy in each stage; use a model without tied weights")
+    return layers
+
+
+class SourceLayout:
+    """A model source's layers on the meta device, with a sample of its input: where to cut (forward
+    FLOPs per layer) and what crosses each cut (shapes, dtypes), with no compute and no memory.
+
+    The copy is the workload's own meta model, built afresh rather than deep-copied: a block that
+    recomputes (workload.recompute) holds a forward bound to the original block, which a copy would
+    call on the original's weights."""
+
+    def __init__(self, layers: list[nn.Module], sample: torch.Tensor):
+        self.layers, self.sample = layers, sample
+
+    @classmethod
+    def of(cls, workload: Any) -> "SourceLayout | None":
+        """The layout of a model source's spec; None where its model cannot run on the meta device."""
+        from ddlscope.workloads import WORKLOADS
+        from ddlscope.workloads.sources import example_input
+
+        model = WORKLOADS.get(workload.name).meta_model(workload)
+        if model is None:
+            return None
+        try:
+            layers = split_layers(model.to("meta"))
+        except NotAChain:  # check_model refused it before launch; nothing to lay out here
+            return None
+        for inputs in (None, "tokens"):  # a module: source may take images or token ids
+            try:
+                # two samples: a batch norm in training mode refuses one sample at 1x1
+                sample = example_input(workload, 2, "meta", inputs)
+                with torch.no_grad():
+                    _through(layers, sample)
+                return cls(layers, sample)
+            except Exception:  # noqa: BLE001 (not this input kind)
+                continue
+        return None
+
+    def costs(self) -> list[float]:
+        """Forward FLOPs of each layer on the sample (two inputs: only their ratios matter)."""
+        return layer_flops(self.layers, self.sample)
+
+    def flows(self, ranges: list[tuple[int, int]], micro_batch: int) -> list[torch.Tensor]:
+        """The tensor entering each stage, then the model's output, for one micro-batch (meta: shapes,
+        dtypes and whether each needs a gradient)."""
+        h = self.sample[:1].expand(micro_batch, *self.sample.shape[1:])
+        flows = [h]
+        # With autograd on: an output that needs a gradient tells torch to receive one for it in backward.
+        with torch.enable_grad():
+            for lo, hi in ranges:
+                h = _through(self.layers[lo:hi], h)
+                flows.append(h.detach().requires_grad_(h.requires_grad))
+        return flows
+
+
+def _through(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def source_cuts(spec: PipelineSpec, layers: list[nn.Module], stages: int, layout: SourceLayout | None) -> list[int]:
+    """Where a source's stages start: the spec's partition, else the cut that balances forward FLOPs
+    (parameter counts where the model cannot run on meta), starting stages only at layers with
+    parameters (never at a parameterless op, e.g. an activation)."""
+    if spec.partition:
+        return list(spec.partition)
+    try:
+        costs = layout.costs() if layout is not None else None
+    except Exception:  # noqa: BLE001 (an operation the FLOP counter cannot run on meta)
+        costs = None
+    if costs is None or not any(costs):
+        costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+    return balanced_cuts(costs, stages, with_parameters(layers)[1:])
 
 
 class StageModule(nn.Module):
@@ -93,6 +194,26 @@ class PipelinedModel(nn.Module):
 class Pipeline(Strategy):
     spec: PipelineSpec
 
+    @classmethod
+    def check_model(cls, spec: StrategySpec, model: nn.Module) -> None:
+        """A source's layers: a chain, no tied weights, enough places to start the stages, a partition
+        within them (a GPT's were checked from its spec)."""
+        assert isinstance(spec, PipelineSpec)
+        if callable(getattr(model, "pipeline_layers", None)):
+            return
+        layers = source_layers(model, "pipeline", spec._workload)
+        stages = spec.stages()
+        if stages is None:
+            return
+        if spec.partition:
+            check_cuts(spec.partition, stages, len(layers))
+            return
+        starts = len(with_parameters(layers)[1:]) + 1
+        if stages > starts:
+            raise ConfigError(f"cluster.world_size = {spec._world_size}: {stages} stages ({stages // spec.chunks} "
+                              f"ranks x {spec.chunks} chunks) but the model has only {starts} places to start one "
+                              f"(its layers with parameters; {len(layers)} layers in all); use fewer ranks or chunks")
+
     def wrap(self, model: nn.Module) -> nn.Module:
         layers = model_layers(model)
         self.ranks = self.spec.pipeline_ranks(self.ctx.workers)
@@ -103,7 +224,7 @@ class Pipeline(Strategy):
             self.group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
             self.dp_rank = mesh["dp"].get_local_rank()
         self.me = self.ctx.rank if self.group is None else dist.get_rank(self.group)
-        ranges = stage_ranges(self.spec.cuts(len(layers) - 2, self.ranks), len(layers))
+        ranges = stage_ranges(self._cuts(model, layers), len(layers))
         self.n_stages = len(ranges)
         self.mine = [s for s in range(self.n_stages) if self.owner(s) == self.me]
         # Names in the single-process model, to give back its state dict (parameters and buffers).
@@ -115,12 +236,35 @@ class Pipeline(Strategy):
             if not any(lo <= i < hi for lo, hi in (ranges[s] for s in self.mine)):
                 if not any(id(p) in kept for p in layer.parameters()):
                     layer.to("meta")
-        self.stages = [PipelineStage(chunk, s, self.n_stages, self.ctx.device, group=self.group)
+        shapes = self._stage_shapes(model, ranges)
+        self.stages = [PipelineStage(chunk, s, self.n_stages, self.ctx.device, group=self.group, **shapes.get(s, {}))
                        for chunk, s in zip(chunks, self.mine)]
         for stage in self.stages:
             self._time_stage(stage)
         self._timer: StepTimer | None = None
         return PipelinedModel(chunks, self._forward_all)
+
+    def _cuts(self, model: nn.Module, layers: list[nn.Module]) -> list[int]:
+        if callable(getattr(model, "pipeline_layers", None)):  # a GPT: embedding, blocks, head
+            return self.spec.cuts(len(layers) - 2, self.ranks)
+        layout = SourceLayout.of(self.ctx.experiment.workload)
+        self._layout = layout if layout is not None and len(layout.layers) == len(layers) else None
+        return source_cuts(self.spec, layers, self.ranks * self.spec.chunks, self._layout)
+
+    def _stage_shapes(self, model: nn.Module, ranges: list[tuple[int, int]]) -> dict[int, dict[str, torch.Tensor]]:
+        """A source's stages' input and output for one micro-batch, as meta tensors (torch's static
+        mode). Without them torch infers the shapes by running each stage once more in training mode, on
+        the first micro-batch and on empty buffers: harmless to a GPT, but a batch norm would count that
+        run (garbage) in its running statistics."""
+        layout = getattr(self, "_layout", None)
+        if layout is None or callable(getattr(model, "pipeline_layers", None)):
+            return {}
+        micro = self.ctx.experiment.workload.batch_size // (self.spec.micro_batches * self.spec.dp)
+        try:
+            flows = layout.flows(ranges, micro)
+        except Exception:  # noqa: BLE001 (a micro-batch the model refuses: the first step says so, in torch's words)
+            return {}
+        return {s: {"input_args": flows[s], "output_args": flows[s + 1]} for s in self.mine}
 
     def owner(self, stage: int) -> int:
         return stage % self.ranks

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from ddlscope.specs.base import ConfigError
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
@@ -35,12 +35,19 @@ class PartitionedSpec(StrategySpec):
     partition: list[int] = Field(
         default_factory=list,
         description="cut points into the model's layer sequence (an nn.Sequential's modules, a GPT's "
-                    "embedding/blocks/head): world_size - 1 increasing indices where parts 1, 2, ... start; "
-                    "empty: the layers with parameters split as evenly as possible")
+                    "embedding/blocks/head, a model source's layers in forward order): world_size - 1 "
+                    "increasing indices where parts 1, 2, ... start; empty: the layers with parameters split "
+                    "as evenly as possible")
     target_scale: float = Field(1.0, gt=0, description="standard deviation of the synthetic target vectors: "
                                                        "each class's fixed random vector per part")
 
+    # What check_experiment saw, for the runtime's check_model (handed this spec alone), which counts a
+    # model source's layers from the built model.
+    _world_size: int | None = PrivateAttr(None)
+    _workload: str | None = PrivateAttr(None)
+
     def check_experiment(self, exp: "Experiment") -> None:
+        self._world_size, self._workload = exp.cluster.world_size, exp.workload.name
         if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:
             raise ConfigError("checkpoint_every: strategy partitioned does not checkpoint yet (each rank holds "
                               "another part); drop checkpoints and cluster.max_restarts")

@@ -1,7 +1,9 @@
 """`pipeline`: torch.distributed.pipelining's knobs, and the stage-boundary arithmetic.
 
 The model is a sequence of layers (a GPT: the embedding, each transformer
-block, the final norm + head); a partition cuts it into `stages x chunks`
+block, the final norm + head; a model source, `torchvision:NAME`, `timm:NAME`,
+`hf:ARCH`, `module:...`: the layers its forward applies in order,
+workloads/sequential.py); a partition cuts it into `stages x chunks`
 contiguous stages. Stage s runs on rank s mod stages (torch's looped
 placement: with chunks v > 1 a rank holds v stages, stages apart). The
 arithmetic is torch-free so the runtime (strategies/pipeline.py), the
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from ddlscope.specs.base import ConfigError
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
@@ -54,6 +56,11 @@ class PipelineSpec(StrategySpec):
         default_factory=list, description="stages (indices) that keep only their input per micro-batch and "
                                           "recompute their activations in backward (torch.utils.checkpoint)")
 
+    # The world size check_experiment saw: a model source's layers are counted only from the built model
+    # (the runtime's check_model, which is handed this spec alone), against the stages it makes.
+    _world_size: int | None = PrivateAttr(None)
+    _workload: str | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _schedule_fits_chunks(self) -> "PipelineSpec":
         if self.schedule == "interleaved" and self.chunks < 2:
@@ -64,8 +71,11 @@ class PipelineSpec(StrategySpec):
         return self
 
     def check_experiment(self, exp: "Experiment") -> None:
+        self._world_size, self._workload = exp.cluster.world_size, exp.workload.name
+        source = is_model_source(exp.workload.name)
         layers = getattr(exp.workload, "layers", None)
-        if ":" in exp.workload.name or not isinstance(layers, int) or not hasattr(exp.workload, "heads"):
+        if not source and (not isinstance(layers, int) or not hasattr(exp.workload, "heads")):
+            # docs/bad-input.md shows this line as it stands (model sources pass above)
             raise ConfigError(f"workload.name = {exp.workload.name!r}: strategy pipeline splits a transformer "
                               "into stages; use a GPT workload (gpt-char, gpt-synthetic)")
         if exp.checkpoint_every or exp.checkpoint_every_s or exp.checkpoint_dir or exp.cluster.max_restarts:
@@ -76,6 +86,13 @@ class PipelineSpec(StrategySpec):
                               "dp x pipeline ranks, a multiple of it")
         pp = self.pipeline_ranks(exp.cluster.world_size)
         stages = pp * self.chunks
+        if source:  # its layers are counted from the built model: check_model (strategies/pipeline.py)
+            if self.partition and len(self.partition) != stages - 1:
+                raise ConfigError(f"strategy.partition = {self.partition}: {stages} stages need {stages - 1} cut "
+                                  "points")
+            self._check_batch(exp, pp, stages)
+            return
+        assert isinstance(layers, int)
         units = layers + EXTRA_LAYERS
         if stages > units:
             raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: {stages} stages "
@@ -86,6 +103,10 @@ class PipelineSpec(StrategySpec):
         elif stages > layers:
             raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: {stages} stages for {layers} blocks; "
                               "the equal-layer default needs a block per stage (give strategy.partition)")
+        self._check_batch(exp, pp, stages)
+
+    def _check_batch(self, exp: "Experiment", pp: int, stages: int) -> None:
+        """What holds for any model: the recompute stages exist, the batch cuts into micro-batches."""
         if any(not 0 <= s < stages for s in self.recompute):
             raise ConfigError(f"strategy.recompute = {self.recompute}: stage indices must be within 0..{stages - 1}")
         if exp.workload.batch_size % (self.micro_batches * self.dp):
@@ -97,6 +118,10 @@ class PipelineSpec(StrategySpec):
             raise ConfigError(f"strategy.micro_batches = {self.micro_batches}: schedule {self.schedule!r} needs a "
                               f"multiple of micro_batches // world_size = {rounds}")
 
+    def stages(self) -> int | None:
+        """Stages in one pipeline (pipeline ranks x chunks), once check_experiment has seen the world size."""
+        return None if self._world_size is None else self.pipeline_ranks(self._world_size) * self.chunks
+
     def pipeline_ranks(self, world_size: int) -> int:
         """Ranks in one pipeline (world_size / dp)."""
         return world_size // self.dp
@@ -104,6 +129,11 @@ class PipelineSpec(StrategySpec):
     def cuts(self, layers: int, ranks: int) -> list[int]:
         """Where each stage starts, over the layer sequence of a GPT with `layers` blocks."""
         return self.partition or equal_block_cuts(layers, ranks * self.chunks)
+
+
+def is_model_source(workload_name: str) -> bool:
+    """`torchvision:NAME`, `timm:NAME`, `hf:ARCH`, `module:...`: a model ddlscope did not write."""
+    return ":" in workload_name
 
 
 def check_cuts(cuts: list[int], stages: int, units: int) -> None:
