@@ -16,9 +16,10 @@ from conftest import SRC
 PACKAGE = SRC / "ddlscope"
 DOCS = SRC.parent / "docs"
 # Higher uses lower, never the other way (docs/architecture.md draws the same picture).
-LAYERS = {"cli": 9, "__main__": 9, "studies": 8, "report": 7, "advise": 6, "analysis": 5, "predict": 5,
+LAYERS = {"cli": 9, "__main__": 9, "studies": 8, "report": 7, "advise": 6, "memory_estimate": 6, "analysis": 5, "predict": 5,
           "calibrate": 4, "runtime": 3, "strategies": 2, "workloads": 1, "specs": 0, "store": 0, "__init__": 0}
 TORCH_FREE = ("ddlscope.specs", "ddlscope.predict", "ddlscope.analysis", "ddlscope.report", "ddlscope.advise",
+              "ddlscope.memory_estimate",
               "ddlscope.calibrate.model", "ddlscope.calibrate.profile")
 
 

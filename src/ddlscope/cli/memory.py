@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
 from ddlscope.cli.common import JsonOption, UserError, console, wide_when_piped
+from ddlscope.memory_estimate import Budget, estimate
 
 GIB = 2**30
 MIB = 2**20
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Memory one rank may use: the device's, less what the framework holds before the model."""
-
-    name: str
-    memory_bytes: float
-    framework_overhead_bytes: float
 
 
 def memory_command(
@@ -63,7 +54,7 @@ def memory_command(
     exp = load_experiment(None, overrides)  # every bad input is refused here, one line
     if budget is None:
         budget = _local_budget(ranks + exp.strategy.extra_ranks())
-    result = _estimate(exp, overrides, budget, all_strategies=strategy is None)
+    result = estimate(exp, overrides, budget, all_strategies=strategy is None)
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -107,97 +98,6 @@ def _world_size(given: Optional[int], cluster_ranks: int | None, cluster: Option
         raise UserError(f"--world-size = {given} disagrees with --cluster {cluster} ({cluster_ranks} GPUs); "
                         "give one of them")
     return given or cluster_ranks or 2
-
-
-# --------------------------------------------------------------------------- estimating
-def _estimate(exp: Any, overrides: dict[str, Any], budget: Budget, all_strategies: bool) -> dict[str, Any]:
-    from ddlscope.runtime.config import experiment_from_dict
-    from ddlscope.specs import ConfigError, strategy_specs
-
-    tables: dict[tuple[int, str | None], Any] = {}
-    if not all_strategies:
-        estimates = [_priced(exp, tables, budget)]
-    else:
-        estimates = []
-        for cls in strategy_specs():
-            name = cls.registered_name
-            try:
-                candidate = experiment_from_dict(_nested({**overrides, "strategy.name": name}), check_workload=False)
-            except ConfigError as exc:
-                estimates.append({"strategy": name, "unavailable": str(exc)})
-                continue
-            estimates.append(_priced(candidate, tables, budget))
-    table = next(iter(tables.values()))
-    return {
-        "model": exp.workload.name,
-        "params": table.param_count,
-        "param_bytes": table.param_bytes,
-        "buffer_bytes": table.buffer_bytes,
-        "forward_flops_per_sample": table.forward_flops / table.traced_batch,
-        "activation_bytes_per_sample": table.activation_bytes_per_sample(),
-        "activation_bytes_per_sample_recompute": table.activation_bytes_per_sample(recompute=True),
-        "layers": len(table.layers),
-        "units": len(table.units),
-        "world_size": exp.cluster.world_size,
-        "global_batch": exp.workload.batch_size,
-        "optimizer": exp.workload.optimizer,
-        "device": {"name": budget.name, "memory_bytes": budget.memory_bytes,
-                   "framework_overhead_bytes": budget.framework_overhead_bytes},
-        "estimates": estimates,
-    }
-
-
-def _nested(overrides: dict[str, Any]) -> dict[str, Any]:
-    from ddlscope.runtime.config import set_dotted
-
-    raw: dict[str, Any] = {}
-    for dotted, value in overrides.items():
-        set_dotted(raw, dotted, value)
-    return raw
-
-
-def _priced(exp: Any, tables: dict[tuple[int, str | None], Any], budget: Budget) -> dict[str, Any]:
-    from ddlscope.predict.model_memory import MemoryQuery, fits, price
-
-    batch = exp.per_rank_batch()
-    table = _table(exp, batch, tables)
-    query = MemoryQuery(traits=exp.strategy.traits, world_size=exp.cluster.world_size,
-                        global_batch=exp.workload.batch_size, extra_ranks=exp.strategy.extra_ranks(),
-                        optimizer=exp.workload.optimizer, momentum=getattr(exp.workload, "momentum", 0.0),
-                        recompute=getattr(exp.workload, "recompute", "none") == "full")
-    ranks = price(table, query)
-    worker = ranks[0]
-    return {
-        "strategy": exp.strategy.name,
-        "per_rank_batch": batch,
-        "ranks": [{"role": r.role, "count": exp.cluster.world_size if r.role == "worker" else query.extra_ranks,
-                   "bytes": r.bytes, "transient_bytes": r.transient_bytes, "total_bytes": r.total_bytes}
-                  for r in ranks],
-        "recompute": query.recompute,
-        "total_bytes": worker.total_bytes,
-        "fits": fits(worker, budget.memory_bytes, budget.framework_overhead_bytes),
-    }
-
-
-def _table(exp: Any, batch: int, tables: dict[tuple[int, str | None], Any]) -> Any:
-    """The model table at `batch` samples, traced once per batch and wrap-unit rule."""
-    from ddlscope.specs import ConfigError
-    from ddlscope.strategies.units import wrap_units
-    from ddlscope.workloads.model_table import table_of_workload
-
-    wrap_class = getattr(exp.strategy, "wrap_class", None)
-    key = (batch, wrap_class)
-    if key not in tables:
-        try:
-            tables[key] = table_of_workload(exp.workload, max(batch, 1), exp.seed,
-                                            units_of=lambda m: wrap_units(m, wrap_class))
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 (the user's model raised: one line, not a traceback)
-            first = (str(exc).strip() or type(exc).__name__).splitlines()[0][:200]
-            raise UserError(f"workload.name = {exp.workload.name!r}: one forward of {batch} samples could not be "
-                            f"traced: {first}") from None
-    return tables[key]
 
 
 # --------------------------------------------------------------------------- printing

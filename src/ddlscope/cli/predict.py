@@ -458,7 +458,7 @@ _SOURCE_NOTES: dict[str, list[str]] = {}  # notes of the models _source_layers r
 def _memory_per_rank(spec: Any, strategy: str, cluster: Any) -> dict[str, Any]:
     """What `ddlscope memory MODEL --strategy S --cluster C --batch B --json` gives for the same model,
     strategy, ranks and global batch: one rank's bytes by category, from the model table."""
-    from ddlscope.cli.memory import Budget, _estimate
+    from ddlscope.memory_estimate import Budget, estimate
     from ddlscope.runtime.config import load_experiment
 
     overrides = {"workload.name": spec.name, "workload.image_size": spec.image_size, "workload.classes": spec.classes,
@@ -466,8 +466,8 @@ def _memory_per_rank(spec: Any, strategy: str, cluster: Any) -> dict[str, Any]:
                  "strategy.name": strategy}
     device = cluster.device
     budget = Budget(device.key, device.memory_bytes, device.framework_overhead_bytes)
-    (estimate,) = _estimate(load_experiment(None, overrides), overrides, budget, all_strategies=False)["estimates"]
-    return estimate
+    (per_rank,) = estimate(load_experiment(None, overrides), overrides, budget, all_strategies=False)["estimates"]
+    return per_rank
 
 
 def _hf_model_spec(raw: dict[str, Any]):
