@@ -17,7 +17,6 @@ from pydantic import BaseModel, ValidationError
 from ddlscope.specs.registry import Registry, UnknownPluginError
 from ddlscope.specs import ClusterSpec, ConfigError, Experiment, check_consistency, describe_validation_error
 from ddlscope.specs import STRATEGY_SPECS
-from ddlscope.strategies import runtime_class
 from ddlscope.workloads import WORKLOADS
 
 DEFAULT_WORKLOAD = "mlp-digits"
@@ -106,6 +105,10 @@ def _check_workload(exp: Experiment) -> None:
     workload.validate(exp.workload)
     model = workload.meta_model(exp.workload)
     if model is not None:
+        # Imported here: the strategies pull in torch.distributed's FSDP, pipelining and DTensor, a
+        # second of start-up that a command reading the config of a built-in workload never needs.
+        from ddlscope.strategies import runtime_class
+
         runtime_class(exp.strategy).check_model(exp.strategy, model)
 
 
