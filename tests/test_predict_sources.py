@@ -104,3 +104,17 @@ def test_predict_json_carries_the_memory_commands_figures(capsys) -> None:
     (memory,) = json.loads(capsys.readouterr().out)["estimates"]
     assert out["memory_per_rank"] == memory
     assert memory["ranks"][0]["bytes"]["parameters"] == pytest.approx(11_181_642 * 4 / 2, rel=1e-3)  # fp32, halved
+
+
+def test_transformers_is_kept_from_importing_torchvision_which_still_imports_after() -> None:
+    # torchvision imports torch._dynamo (a second of every hf: prediction); text models need none of it
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "from ddlscope.workloads.sources import HFSpec, hf_decoder_facts, import_torchvision\n"
+             "facts = hf_decoder_facts(HFSpec(name='hf:llama', hidden=64, heads=4, layers=2, intermediate=128))\n"
+             "print('torchvision' in sys.modules, facts['layers'])\n"
+             "print(import_torchvision().models.resnet18(num_classes=3).fc.out_features)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["False", "2", "3"]

@@ -106,13 +106,36 @@ def import_transformers() -> Any:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    _torchvision_first()
     try:
+        _transformers_without_torchvision()
         import transformers
     except ImportError:
         raise ConfigError("hf: models need the transformers package (pip install transformers)") from None
     transformers.logging.set_verbosity_error()
     return transformers
+
+
+def _transformers_without_torchvision() -> None:
+    """Tell transformers, once per process, that torchvision is absent unless it is loaded already.
+
+    The text models built here need nothing of torchvision, yet transformers
+    imports it for its image utilities whenever it is installed, and
+    importing torchvision imports torch._dynamo: a second or more of every
+    `predict --model hf:...`. transformers caches its answer to "is
+    torchvision available" for the process, so it is asked while a None in
+    sys.modules hides the package (find_spec then answers None), and the
+    package is visible again right after, for torchvision and timm sources.
+    """
+    if "torchvision" in sys.modules:
+        return
+    sys.modules["torchvision"] = None  # type: ignore[assignment]
+    try:
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+    finally:
+        if sys.modules.get("torchvision", 0) is None:
+            del sys.modules["torchvision"]
 
 
 def _library(source: str) -> Any:
