@@ -1,10 +1,22 @@
 """Data-parallel strategy models of the main study: DDP, FSDP, parameter servers, local SGD, compression."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from ddlscope.predict import parse_cluster
-from ddlscope.predict import strategies as st
+from ddlscope.predict.estimators.ddp import compressed_ddp, ddp
+from ddlscope.predict.estimators.fsdp import fsdp
+from ddlscope.predict.estimators.localsgd import local_sgd
+from ddlscope.predict.estimators.ps import parameter_server
+from ddlscope.predict.estimators.single import single
+from ddlscope.predict.strategies import ServerSpec, image_workload
 from ddlscope.specs import ConfigError
+
+# each model lives in its strategy's estimator; the shared workload and servers in predict.strategies
+st = SimpleNamespace(ddp=ddp, compressed_ddp=compressed_ddp, fsdp=fsdp, local_sgd=local_sgd,
+                     parameter_server=parameter_server, single=single, ServerSpec=ServerSpec,
+                     image_workload=image_workload)
 
 FAST = parse_cluster("a100-80gb:1x4")  # NVSwitch inside one node
 SLOW = parse_cluster("a10g:4x1")  # one A10G per node on 40 Gb/s Ethernet

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase
-from ddlscope.predict.estimators.ddp import DDPEstimator
+from ddlscope.predict.estimators.ddp import DDPEstimator, ddp
 from ddlscope.specs.strategies.batching import step_slowdowns
 from ddlscope.specs.strategies.dbs import DBSSpec
 
@@ -20,7 +20,7 @@ class DBSEstimator(DDPEstimator):
     def cluster(self, spec: DBSSpec, case: ClusterCase) -> pst.StrategyEstimate:
         slowdowns = list(case.slowdowns) if case.slowdowns else None
         balanced = step_slowdowns(slowdowns, [1.0 / s for s in slowdowns]) if slowdowns else None
-        return pst.ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb, slowdowns=balanced, name="dbs")
+        return ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb, slowdowns=balanced, name="dbs")
 
     def cluster_notes(self, spec: DBSSpec, case: ClusterCase) -> list[str]:
         if not case.slowdowns or len(set(case.slowdowns)) == 1:

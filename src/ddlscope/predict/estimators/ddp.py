@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from typing import Sequence
+
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
+from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
     KNOB_NOTE_PREFIX, ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, split_slowdowns)
 from ddlscope.calibrate.model import emulated_s, interpolate_linear, machine_probe, message_s, required
+from ddlscope.specs import ConfigError
 from ddlscope.specs import bucketing as plans
-from ddlscope.specs.strategies.ddp import GATHERED_HOOKS, DDPSpec
+from ddlscope.specs.strategies.ddp import GATHERED_HOOKS, QSGD_CHUNK, DDPSpec, qsgd_code_bits
 
 # DDP's communication counts as slow (worth compressing or re-bucketing) when this much of it is exposed
 # against the step's compute.
@@ -23,19 +27,86 @@ KNOB_VARIANTS: tuple[dict[str, object], ...] = (
     {"comm_hook": "topk"}, {"comm_hook": "qsgd"}, {"comm_hook": "minmax8"},
     {"buckets": "per_layer"}, {"buckets": "mgwfbp"})
 
-# Passes over the fp32 gradient to encode a bucket (casts, abs/top-k, norms, rounding, packing), as in
-# predict/strategies.py:compressed_ddp.
+# Passes over the fp32 gradient to encode a bucket (casts, abs/top-k, norms, rounding, packing), at cluster
+# scale (compressed_ddp) and on this machine (DDPEstimator.local_comm).
 ENCODE_PASSES = {"none": 0, "fp16": 2, "bf16": 2, "powersgd": 4, "topk": 4, "qsgd": 6, "minmax8": 4}
+
+
+def ddp(workload: pst.Workload, cluster: Cluster, bucket_mb: float = 25.0, algorithm: coll.Algorithm = "auto",
+        jitter_cv: float = 0.0, slowdowns: Sequence[float] | None = None,
+        grad_bytes_per_param: float | None = None, extra_compute_s: float = 0.0,
+        name: str = "ddp") -> pst.StrategyEstimate:
+    """Bucketed all-reduce of the gradients, each bucket launched as backward fills it (PyTorch DDP)."""
+    n, g = cluster.n_gpus, cluster.gpus_per_node
+    c = pst.compute_s(workload, cluster) * float(pst.worker_slowdowns(n, slowdowns).max())
+    backward = workload.backward_fraction * c
+    grad_bytes = workload.params * (grad_bytes_per_param or workload.grad_bytes_per_param)
+    total = float(coll.all_reduce_s(grad_bytes, n, min(n, g), cluster.node, algorithm))
+    latency = float(coll.all_reduce_s(0.0, n, min(n, g), cluster.node, algorithm))
+    buckets = max(1, math.ceil(grad_bytes / (bucket_mb * 1e6)))
+    exposed = float(coll.bucketed_overlap_exposed_s(total, latency, buckets, backward))
+    wait = pst.straggler_wait_s(c, n, jitter_cv)
+    step = c + extra_compute_s + exposed + wait
+    mem = (workload.params * workload.state_bytes_per_param + 2 * bucket_mb * 1e6
+           + workload.activation_bytes_per_sample * workload.batch_per_worker)
+    return pst.StrategyEstimate(name, n, step, c + extra_compute_s, total, exposed, mem,
+                                n * workload.batch_per_worker, pst.single_samples_per_s(workload, cluster))
+
+
+def compressed_ddp(workload: pst.Workload, cluster: Cluster, method: str = "fp16", ratio: float = 0.01,
+                   rank: int = 4, bucket_mb: float = 25.0, levels: int = 4) -> pst.StrategyEstimate:
+    """DDP with gradient compression: fewer bytes on the wire, some compute to encode/decode.
+
+    fp16 / bf16: half the bytes, one pass over the gradients. top-k (ratio k/n):
+    values + int32 indices, all-gathered (sparse sums do not add up in place),
+    selection costs a few passes. PowerSGD (rank r, Vogels et al. 2019): each
+    d x d gradient becomes two d x r factors, all-reduced, at 4 d^2 r FLOPs
+    per matrix. qsgd (s levels) and minmax8 (ByteGrad): codes of 2-8 bits per
+    entry, all-gathered, and every rank decodes all n messages (n passes over
+    the gradient): cheap on the wire, costly to decode at large n.
+    """
+    n, g = cluster.n_gpus, cluster.gpus_per_node
+    dev = cluster.device
+    mem_bw = dev.memory_bandwidth_bytes_per_s * dev.efficiency.memory_fraction
+    p = workload.params
+    if method in ("fp16", "bf16"):
+        return ddp(workload, cluster, bucket_mb, grad_bytes_per_param=2.0,
+                   extra_compute_s=ENCODE_PASSES[method] * 4 * p / mem_bw, name=f"ddp-{method}")
+    if method in GATHERED_HOOKS:
+        if method == "topk" and not 0 < ratio <= 1:
+            raise ConfigError(f"ratio = {ratio}: must be in (0, 1]")
+        if method == "qsgd" and not 1 <= levels <= 127:
+            raise ConfigError(f"levels = {levels}: must be in 1..127")
+        bytes_per_param = {"topk": ratio * 8.0, "qsgd": qsgd_code_bits(levels) / 8 + 4 / QSGD_CHUNK,
+                           "minmax8": 1.0}[method]
+        base = ddp(workload, cluster, bucket_mb, grad_bytes_per_param=1e-12, name=f"ddp-{method}")
+        gathered = n * bytes_per_param * p  # every rank ends with everyone's messages
+        comm = float(coll.all_gather_s(gathered, n, min(n, g), cluster.node))
+        # encode: a few passes over the fp32 gradient; decode: every rank reads all n messages and adds them
+        codec = ENCODE_PASSES[method] * 4 * p / mem_bw + n * (bytes_per_param + 8.0) * p / mem_bw
+        step = base.compute_s + codec + comm  # the encoders need whole buckets: modelled as not overlapping
+        return pst.StrategyEstimate(f"ddp-{method}", n, step, base.compute_s + codec, comm, comm,
+                                    base.memory_bytes_per_gpu + 4 * p, n * workload.batch_per_worker,
+                                    pst.single_samples_per_s(workload, cluster))
+    if method == "powersgd":
+        if rank < 1:
+            raise ConfigError(f"rank = {rank}: must be >= 1")
+        side = math.sqrt(p / workload.layers)
+        factor_bytes_per_param = 4.0 * 2 * side * rank / (side * side)
+        extra = 4 * side * side * rank * workload.layers / (dev.peak("fp32") * 0.5)
+        return ddp(workload, cluster, bucket_mb, grad_bytes_per_param=factor_bytes_per_param, extra_compute_s=extra,
+                   name=f"ddp-powersgd{rank}")
+    raise ConfigError(f"method = {method!r}: allowed: fp16, bf16, topk, qsgd, minmax8, powersgd")
 
 
 @ESTIMATORS.register(DDPSpec)
 class DDPEstimator(Estimator):
     def cluster(self, spec: DDPSpec, case: ClusterCase) -> pst.StrategyEstimate:
         if spec.comm_hook != "none":
-            return pst.compressed_ddp(case.workload, case.cluster, spec.comm_hook, ratio=spec.topk_ratio,
-                                      rank=spec.powersgd_rank, bucket_mb=spec.bucket_mb, levels=spec.qsgd_levels)
-        plain = pst.ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb,
-                        slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
+            return compressed_ddp(case.workload, case.cluster, spec.comm_hook, ratio=spec.topk_ratio,
+                                  rank=spec.powersgd_rank, bucket_mb=spec.bucket_mb, levels=spec.qsgd_levels)
+        plain = ddp(case.workload, case.cluster, bucket_mb=spec.bucket_mb,
+                    slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
         if spec.buckets == "size":
             return plain
         return _with_plan(plain, cluster_plan(spec, case))

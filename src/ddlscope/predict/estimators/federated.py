@@ -22,7 +22,7 @@ from ddlscope.calibrate.model import message_s
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
-from ddlscope.predict.estimators.localsgd import extra_copies_bytes, local_sync_wait_s, straggler_bound
+from ddlscope.predict.estimators.localsgd import extra_copies_bytes, local_sgd, local_sync_wait_s, straggler_bound
 from ddlscope.specs.strategies.federated import FedAvgSpec
 
 NOMINAL_LOCAL_STEPS = 10  # local minibatches per round when the spec gives epochs (data size unknown here)
@@ -44,7 +44,7 @@ class FederatedEstimator(Estimator):
     def cluster(self, spec: FedAvgSpec, case: ClusterCase) -> pst.StrategyEstimate:
         models = spec.models_trained_per_round()
         steps = local_steps_per_round(spec)
-        est = pst.local_sgd(case.workload, case.cluster, period=steps)
+        est = local_sgd(case.workload, case.cluster, period=steps)
         n = case.cluster.n_gpus
         sampled = max(1, round(spec.client_fraction * n)) / n
         # fewer clients compute a round; each trains `models` models on the same samples, one after another

@@ -4,12 +4,55 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors
 from ddlscope.calibrate.model import (OPS_PER_PARAM_OPTIMIZER, emulated_s, interpolate_linear, machine_probe, message_s,
                                      required, shard_bytes)
+from ddlscope.predict.catalogue import Cluster
+from ddlscope.specs import ConfigError
 from ddlscope.specs.strategies.fsdp import FSDPSpec
+
+
+def fsdp(workload: pst.Workload, cluster: Cluster, zero_stage: int = 3, jitter_cv: float = 0.0,
+         prefetch: bool = True) -> pst.StrategyEstimate:
+    """ZeRO / FSDP: parameters gathered before use (stage 3), gradients reduce-scattered, states sharded.
+
+    Stage 3 gathers the weights for forward and again for backward, and
+    reduce-scatters gradients (3 collectives of the 16-bit weights per step);
+    with prefetch each overlaps the compute of the previous unit, so only
+    what exceeds the compute shows.
+    """
+    if zero_stage not in (1, 2, 3):
+        raise ConfigError(f"zero_stage = {zero_stage}: allowed: 1, 2, 3")
+    n, g = cluster.n_gpus, cluster.gpus_per_node
+    c = pst.compute_s(workload, cluster)
+    backward = workload.backward_fraction * c
+    forward = c - backward
+    units = max(workload.layers, 1)
+    weight_bytes = workload.weight_bytes_per_param * workload.params
+    # one collective per unit (layer): each pays its own latency
+    gather = units * float(coll.all_gather_s(weight_bytes / units, n, min(n, g), cluster.node))
+    scatter = units * float(coll.reduce_scatter_s(weight_bytes / units, n, min(n, g), cluster.node))
+    if zero_stage == 3:
+        comm = 2 * gather + scatter
+        if prefetch:
+            exposed = max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0) + gather / units
+        else:
+            exposed = comm
+    else:  # stages 1-2: reduce-scatter behind backward, all-gather of updated weights after the step
+        comm = scatter + gather
+        exposed = max(scatter - backward, 0.0) + gather
+    step = c + exposed + pst.straggler_wait_s(c, n, jitter_cv)
+    p, wb = workload.params, workload.weight_bytes_per_param
+    optimizer = workload.state_bytes_per_param - 2 * wb
+    states = {1: wb * p + wb * p + optimizer * p / n, 2: wb * p + (wb + optimizer) * p / n,
+              3: workload.state_bytes_per_param * p / n}[zero_stage]
+    buffers = 2 * weight_bytes / units if zero_stage == 3 else 0.0  # gathered units in flight
+    mem = states + buffers + workload.activation_bytes_per_sample * workload.batch_per_worker
+    return pst.StrategyEstimate(f"fsdp-zero{zero_stage}", n, step, c, comm, exposed, mem,
+                                n * workload.batch_per_worker, pst.single_samples_per_s(workload, cluster))
 
 
 @ESTIMATORS.register(FSDPSpec)
@@ -17,7 +60,7 @@ class FSDPEstimator(Estimator):
     def cluster(self, spec: FSDPSpec, case: ClusterCase) -> pst.StrategyEstimate:
         # the slowest worker sets every synchronous step: FSDP's collectives hide behind its longer compute
         slowest = replace(case.workload, achieved_fraction=case.workload.achieved_fraction / case.stragglers)
-        return pst.fsdp(slowest, case.cluster, 3)
+        return fsdp(slowest, case.cluster, 3)
 
     def cluster_memory(self, spec: FSDPSpec, case: ClusterCase) -> tuple[float, float | None]:
         units = case.workload.layers

@@ -22,7 +22,30 @@ from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, Estimator, LocalCase, LocalComm, LocalStep
+from ddlscope.predict.catalogue import Cluster
+from ddlscope.specs import ConfigError
 from ddlscope.specs.strategies.localsgd import CoCoDSpec, DiLoCoSpec, LocalSGDSpec, ModelAveragingSpec
+
+
+def local_sgd(workload: pst.Workload, cluster: Cluster, period: int = 8, overlap: bool = False,
+              algorithm: coll.Algorithm = "auto") -> pst.StrategyEstimate:
+    """Average the weights every `period` local steps (local SGD / periodic averaging).
+
+    overlap=True is CoCoD-SGD: the average runs while the next period's
+    local steps compute, so only what exceeds `period` steps of compute shows.
+    """
+    if period < 1:
+        raise ConfigError(f"period = {period}: must be >= 1")
+    n, g = cluster.n_gpus, cluster.gpus_per_node
+    c = pst.compute_s(workload, cluster)
+    average = float(coll.all_reduce_s(workload.params * 4.0, n, min(n, g), cluster.node, algorithm))
+    exposed_per_period = max(average - period * c, 0.0) if overlap else average
+    step = c + exposed_per_period / period
+    mem = (workload.params * (workload.state_bytes_per_param + 4.0)  # + the copy being averaged
+           + workload.activation_bytes_per_sample * workload.batch_per_worker)
+    return pst.StrategyEstimate("cocod" if overlap else "local-sgd", n, step, c, average / period,
+                                exposed_per_period / period, mem, n * workload.batch_per_worker,
+                                pst.single_samples_per_s(workload, cluster))
 
 
 def straggler_bound(est: pst.StrategyEstimate, case: ClusterCase) -> pst.StrategyEstimate:
@@ -65,7 +88,7 @@ class ModelAveragingEstimator(Estimator):
         return 1.0
 
     def cluster(self, spec: ModelAveragingSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        est = pst.local_sgd(case.workload, case.cluster, period=spec.period, overlap=self.overlaps(spec))
+        est = local_sgd(case.workload, case.cluster, period=spec.period, overlap=self.overlaps(spec))
         est.strategy = spec.name
         est = _compressed_average(est, case, self.average_fraction(spec))
         est = self._group_average(spec, case, est)

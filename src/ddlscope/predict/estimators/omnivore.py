@@ -25,7 +25,7 @@ from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import ClusterCase, LocalCase, LocalComm, LocalStep, split_slowdowns
-from ddlscope.predict.estimators.ps import PSAsyncEstimator, PSEstimator, PSSyncEstimator
+from ddlscope.predict.estimators.ps import PSAsyncEstimator, PSEstimator, PSSyncEstimator, ps_exchange_s
 from ddlscope.specs.strategies.omnivore import OmnivoreSpec, group_members
 from ddlscope.specs.strategies.ps import PSAsyncSpec, PSSyncSpec
 
@@ -55,9 +55,9 @@ def omnivore_estimate(spec: OmnivoreSpec, case: ClusterCase, memory_bytes: float
     c_each = pst.compute_s(w, case.cluster) * np.asarray(slowdowns, dtype=float)
     c_group = np.array([c_each[members].max() for members in group_members(n, k)])
     all_reduce, broadcast = group_exchange_s(case, size)
-    alone = pst.ps_exchange_s(w, case.cluster, case.server, 1)
+    alone = ps_exchange_s(w, case.cluster, case.server, 1)
     cycles = c_group + all_reduce + alone + broadcast
-    capacity = k / pst.ps_exchange_s(w, case.cluster, case.server, k, updates=k)  # group pushes a second
+    capacity = k / ps_exchange_s(w, case.cluster, case.server, k, updates=k)  # group pushes a second
     rate = min(float(np.sum(1.0 / cycles)), capacity)
     step = k / rate  # every group pushes once
     comm = all_reduce + alone + broadcast

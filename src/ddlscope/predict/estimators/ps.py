@@ -2,14 +2,98 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Sequence
 
+import numpy as np
+
+from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
+from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, split_slowdowns,
                                               state_tensors)
 from ddlscope.calibrate.model import STATE_TENSORS, concurrent_rounds_slowdown, ps_compute_stretch, ps_round_s
 from ddlscope.specs.strategies.ps import PSAsyncSpec, PSSpec, PSSyncSpec, SSPSpec, StaleAwareSpec
+from ddlscope.specs import ConfigError
+
+
+def ps_exchange_s(workload: pst.Workload, cluster: Cluster, server: pst.ServerSpec, concurrent: float,
+                  nbytes: float | None = None, servers: int | None = None, updates: float = 1.0) -> float:
+    """One push and one pull of `nbytes` (default: the whole gradient) with `concurrent` clients on `servers`
+    servers' links (default: all of them), plus the servers' `updates` optimizer steps over what they received
+    (parameter_server's clients are workers; omnivore's, group leaders)."""
+    grad_bytes = workload.params * workload.grad_bytes_per_param
+    nbytes = grad_bytes if nbytes is None else nbytes
+    servers = server.servers if servers is None else servers
+    worker_bw = cluster.inter_bytes_per_s_per_gpu if cluster.nodes > 1 else cluster.intra_bytes_per_s
+    server_bw, agg = server.link_gb_per_s * 1e9, server.aggregate_gb_per_s * 1e9
+    push = coll.ps_push_s(nbytes, concurrent, servers, server_bw, agg, worker_bw, server.alpha_s)
+    pull = coll.ps_pull_s(nbytes, concurrent, servers, server_bw, worker_bw, server.alpha_s)
+    if not server.update_s:
+        return float(push + pull)
+    # each update steps the bytes it received; `servers` servers step their shares side by side
+    return float(push + pull + updates * server.update_s * nbytes / grad_bytes / servers)
+
+
+def parameter_server(workload: pst.Workload, cluster: Cluster, mode: Literal["sync", "async", "ssp"] = "sync",
+                     server: pst.ServerSpec = pst.ServerSpec(), staleness: int = 3, jitter_cv: float = 0.0,
+                     slowdowns: Sequence[float] | None = None, block_cyclic: bool = False) -> pst.StrategyEstimate:
+    """Workers push gradients and pull weights through the servers' links and CPUs.
+
+    sync: every step waits for the slowest worker, then all push and pull
+    through the shared servers. async: each worker cycles on its own; the
+    servers cap the total update rate. ssp: async bounded by `staleness`
+    steps, so in the long run every worker runs at the slowest one's pace,
+    but random jitter is absorbed over a window of staleness + 1 steps.
+    block_cyclic (async only): each update exchanges one server's block
+    (1/servers of the bytes) with that server alone; the servers share the
+    updates, each hearing from workers / servers of them at a time.
+    """
+    if mode not in ("sync", "async", "ssp"):
+        raise ConfigError(f"mode = {mode!r}: allowed: sync, async, ssp")
+    if block_cyclic and mode != "async":
+        raise ConfigError(f"block_cyclic is a ps-async knob, not for mode {mode!r}")
+    w = cluster.n_gpus
+    c_each = pst.compute_s(workload, cluster) * pst.worker_slowdowns(w, slowdowns)
+    grad_bytes = workload.params * workload.grad_bytes_per_param
+
+    def exchange_s(concurrent: float, nbytes: float = grad_bytes, servers: int = server.servers,
+                   updates: float = 1.0) -> float:
+        return ps_exchange_s(workload, cluster, server, concurrent, nbytes, servers, updates)
+
+    mem = (workload.params * (workload.state_bytes_per_param - 8.0)  # optimizer moments live on the servers
+           + workload.activation_bytes_per_sample * workload.batch_per_worker)
+    if mode == "sync":
+        c = float(c_each.max())
+        comm = exchange_s(w)
+        step = c + comm + pst.straggler_wait_s(c, w, jitter_cv)
+        return pst.StrategyEstimate("ps-sync", w, step, c, comm, comm, mem, w * workload.batch_per_worker,
+                                    pst.single_samples_per_s(workload, cluster))
+    if block_cyclic:
+        block, per_server = grad_bytes / server.servers, max(w / server.servers, 1.0)
+        alone = exchange_s(1, block, 1)
+        capacity = server.servers / (exchange_s(per_server, block, 1, per_server) / per_server)
+    else:
+        alone = exchange_s(1)
+        # the servers move push + pull of every update, sum every push and step every update
+        capacity = 1.0 / (exchange_s(w, updates=w) / w)
+    jitter = (pst.straggler_wait_s(float(c_each.mean()), w, jitter_cv, window_steps=staleness + 1)
+              if mode == "ssp" else 0.0)
+    cycles = c_each + alone
+    if mode == "ssp":  # nobody gets more than `staleness` steps ahead: the slowest sets the pace
+        cycles = np.full(w, float(cycles.max()) + jitter)
+    rate = min(float(np.sum(1.0 / cycles)), capacity)
+    step = w / rate  # mean time for every worker to finish one step
+    staleness_steps = float(rate * np.mean(cycles) - 1.0)
+    if mode == "ssp":
+        staleness_steps = min(staleness_steps, float(staleness))
+    est = pst.StrategyEstimate(f"ps-{mode}", w, step, float(c_each.mean()), alone,
+                               max(step - float(c_each.mean()), 0.0), mem, w * workload.batch_per_worker,
+                               pst.single_samples_per_s(workload, cluster),
+                               mean_staleness_steps=max(staleness_steps, 0.0))
+    if rate >= capacity:
+        est.notes.append("server-bound: the servers' links or CPUs cap the update rate")
+    return est
 
 
 class PSEstimator(Estimator):
@@ -18,8 +102,8 @@ class PSEstimator(Estimator):
     mode: ClassVar[Literal["sync", "async", "ssp"]]
 
     def cluster(self, spec: PSSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        return pst.parameter_server(case.workload, case.cluster, self.mode, case.server,
-                                    slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
+        return parameter_server(case.workload, case.cluster, self.mode, case.server,
+                                slowdowns=split_slowdowns(spec, case))  # batch_split: specs/strategies/batching.py
 
     def cluster_memory(self, spec: PSSpec, case: ClusterCase) -> tuple[float, float | None]:
         # workers hold weights and gradients; the server the weights and the optimizer state
@@ -113,8 +197,8 @@ class SSPEstimator(PSEstimator):
     mode = "ssp"
 
     def cluster(self, spec: SSPSpec, case: ClusterCase) -> pst.StrategyEstimate:
-        return pst.parameter_server(case.workload, case.cluster, "ssp", case.server, staleness=spec.staleness,
-                                    slowdowns=split_slowdowns(spec, case))
+        return parameter_server(case.workload, case.cluster, "ssp", case.server, staleness=spec.staleness,
+                                slowdowns=split_slowdowns(spec, case))
 
     def cluster_notes(self, spec: SSPSpec, case: ClusterCase) -> list[str]:
         if not case.slowdowns:
