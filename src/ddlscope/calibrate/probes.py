@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from ddlscope.calibrate.fit import fit_matmul
+from ddlscope.calibrate.profile import CalibrationProfile
 
 T = TypeVar("T")
 
@@ -288,7 +289,9 @@ def _matmul_block(target_s: float) -> Any:
 
 
 SYNC_PROBE_BLOCKS_S = (0.002, 0.008)
-PROBES = ("sync", "ddp", "fsdp", "ps")  # the profile's sections besides compute and collectives
+# The profile's sections besides meta, compute and collectives, as calibrate/profile.py declares them:
+# the synchronisation probe, DDP's and FSDP's step probes and a parameter server's round.
+PROBES = tuple(name for name in CalibrationProfile.model_fields if name not in ("meta", "compute", "collectives"))
 
 
 def _sync_probe(repeats: int) -> dict[str, Any]:
@@ -379,18 +382,19 @@ def _strategy_probes(repeats: int, quick: bool) -> dict[str, dict[str, Any]]:
             fully_shard(block)
         return fully_shard(model)  # the root: no parameters of its own here
 
-    probes: dict[str, dict[str, Any]] = {"ddp": {"model_bytes": [], "overhead_s": []},
-                                         "fsdp": {"unit_bytes": [], "unit_overhead_s": []}}
+    ddp: dict[str, Any] = {"model_bytes": [], "overhead_s": []}
+    fsdp: dict[str, Any] = {"unit_bytes": [], "unit_overhead_s": []}
     for width in QUICK_PROBE_WIDTHS if quick else PROBE_WIDTHS:
         block_bytes = (width * width + width) * 4
         ddp_s = _wrapped_step_overhead_s(width, lambda m: DistributedDataParallel(m, bucket_cap_mb=25), repeats)
-        probes["ddp"]["model_bytes"].append(PROBE_BLOCKS * block_bytes)
-        probes["ddp"]["overhead_s"].append(ddp_s)
+        ddp["model_bytes"].append(PROBE_BLOCKS * block_bytes)
+        ddp["overhead_s"].append(ddp_s)
         fsdp_s = _wrapped_step_overhead_s(width, shard_blocks, repeats)
-        probes["fsdp"]["unit_bytes"].append(block_bytes)
-        probes["fsdp"]["unit_overhead_s"].append(fsdp_s / PROBE_BLOCKS)
-    probes["fsdp"]["optimizer_tensor_s"] = _sharded_optimizer_tensor_s(shard_blocks, repeats)
-    return probes
+        fsdp["unit_bytes"].append(block_bytes)
+        fsdp["unit_overhead_s"].append(fsdp_s / PROBE_BLOCKS)
+    fsdp["optimizer_tensor_s"] = _sharded_optimizer_tensor_s(shard_blocks, repeats)
+    # The profile's sections of these names (calibrate/profile.py: DdpProbe, FsdpProbe).
+    return dict(ddp=ddp, fsdp=fsdp)
 
 
 def _sharded_optimizer_tensor_s(shard: Any, repeats: int) -> float:

@@ -38,7 +38,8 @@ def memory_command(
     as_json: JsonOption = False,
 ) -> None:
     """Memory per rank by category (parameters, gradients, optimizer, activations, buffers, communication)."""
-    from ddlscope.runtime.config import load_experiment, parse_override
+    from ddlscope.runtime.config import DEFAULT_STRATEGY, load_experiment, parse_override
+    from ddlscope.specs import baseline_strategy
 
     budget, cluster_ranks = _budget(cluster)
     ranks = _world_size(world_size, cluster_ranks, cluster)
@@ -50,7 +51,7 @@ def memory_command(
         if key in ("workload.name", "cluster.world_size", "strategy.name"):
             raise UserError(f"--set {item}: give {key} as {_FLAG_OF[key]}")
         overrides[key] = value
-    overrides["strategy.name"] = strategy or ("single" if ranks == 1 else "ddp")
+    overrides["strategy.name"] = strategy or (baseline_strategy() if ranks == 1 else DEFAULT_STRATEGY)
     exp = load_experiment(None, overrides)  # every bad input is refused here, one line
     if budget is None:
         budget = _local_budget(ranks + exp.strategy.extra_ranks())

@@ -44,6 +44,7 @@ from ddlscope.predict import collectives as coll
 from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.cnn import CNNSpec
 from ddlscope.specs import ConfigError
+from ddlscope.specs.strategies.ddp import DDPSpec
 
 GRAD_BYTES_PER_PARAM = 4.0  # fp32 gradients (AMP keeps them fp32)
 # Weights of busy GPU-seconds against step time tried by the search (0: the fastest plan).
@@ -191,7 +192,8 @@ def _ddp_step_s(spec: CNNSpec, cluster: Cluster) -> float | None:
 
     n = cluster.n_gpus
     try:
-        return predict_cnn(spec, ParallelSpec(dp=n, micro_batch=spec.global_batch // n), cluster, "ddp").step_time_s
+        return predict_cnn(spec, ParallelSpec(dp=n, micro_batch=spec.global_batch // n), cluster,
+                           DDPSpec.registered_name).step_time_s
     except ConfigError:
         return None
 

@@ -61,7 +61,7 @@ STATE_TENSORS = {"sgd": 0, "sgd-momentum": 1, "adamw": 2}
 class CNNPrediction(Prediction):
     """A CNN's predicted step: `Prediction`'s fields (a token is an image) and the model's counts."""
 
-    strategy: str = "ddp"
+    strategy: str = CNN_STRATEGIES[0]
     parameters: int = 0
     forward_gmacs_per_sample: float = 0.0  # multiply-adds, conv + linear
     forward_gflops_per_sample: float = 0.0  # 2 x the multiply-adds

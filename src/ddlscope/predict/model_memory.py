@@ -8,8 +8,8 @@ two it does not count, buffers and communication buffers:
 - parameters, gradients: replicated, or split over the ranks when the traits
   say the model states are sharded (`shards_model_states`: FSDP2's Shard(0),
   each parameter's rows padded to a multiple of the world size, as
-  `fully_shard` allocates them) or the model is cut into stages (family
-  pipeline);
+  `fully_shard` allocates them) or the model is cut into stages
+  (`stages_model`: the pipeline family);
 - optimizer: AdamW keeps two fp32 tensors per parameter, SGD one with
   momentum (none without); sharded like the parameters; none on a worker whose
   optimizer steps elsewhere (`local_optimizer = False`): the extra ranks
@@ -94,7 +94,7 @@ def price(table: ModelTable, query: MemoryQuery) -> list[RankMemory]:
 # --------------------------------------------------------------------------- model states
 def _splits_model(traits: Traits) -> bool:
     """Whether each rank holds only its part of the model's states."""
-    return traits.shards_model_states or traits.family == "pipeline"
+    return traits.shards_model_states or traits.stages_model
 
 
 def _model_state_bytes(params: list[ParamEntry] | tuple[ParamEntry, ...], query: MemoryQuery) -> float:
@@ -103,7 +103,7 @@ def _model_state_bytes(params: list[ParamEntry] | tuple[ParamEntry, ...], query:
     if traits.shards_model_states:
         return float(sum(_shard_rows(p.dim0, n) * (p.numel // p.dim0) * p.element_bytes for p in params))
     total = float(sum(p.bytes for p in params))
-    return total / n if traits.family == "pipeline" else total
+    return total / n if traits.stages_model else total
 
 
 def _shard_rows(dim0: int, ranks: int) -> int:
@@ -155,16 +155,16 @@ def _per_rank(traced_bytes: float, table: ModelTable, query: MemoryQuery) -> flo
         return 0.0
     scaled = traced_bytes * query.per_rank_batch / table.traced_batch
     # A model cut over the ranks (stages, heads) runs 1/world of its layers per rank: a first-order share.
-    return scaled / query.world_size if query.traits.family in ("pipeline", "tensor") else scaled
+    return scaled / query.world_size if query.traits.splits_layers else scaled
 
 
 # --------------------------------------------------------------------------- communication buffers
 def _communication_bytes(table: ModelTable, query: MemoryQuery) -> float:
     traits = query.traits
     gradient_bytes = float(table.trainable_bytes)
-    if traits.family == "single" or query.world_size == 1:
+    if traits.single_process or query.world_size == 1:
         return 0.0
-    if traits.shards_model_states and traits.family != "pipeline":
+    if traits.shards_model_states and not traits.stages_model:
         return _sharded_exchange_bytes(table)
     if traits.family == "server":
         return 2.0 * gradient_bytes  # the flat push of the gradient, the pulled parameters

@@ -11,11 +11,12 @@ from ddlscope.specs.experiment import (
     WorkloadSpec, check_consistency)
 from ddlscope.specs.registry import import_submodules
 from ddlscope.specs.strategy import (
-    STRATEGY_SPECS, Family, StrategySpec, Traits, is_baseline, strategy_spec, strategy_specs, traits_of)
+    STRATEGY_SPECS, Family, StrategySpec, Traits, baseline_strategy, is_baseline, strategy_spec, strategy_specs,
+    traits_of)
 
 import_submodules("ddlscope.specs.strategies")
 
 __all__ = ["NETWORK_PROFILES", "STRATEGY_SPECS", "TARGET_COMPUTE_EFFICIENCY", "ClusterSpec", "ConfigError",
            "Experiment", "Family", "Fault", "NetworkProfile", "NetworkSpec", "Preemption", "Spec", "StrategySpec", "Traits",
-           "WorkloadSpec", "check_consistency", "describe_validation_error", "is_baseline", "remember_spec_class",
-           "strategy_spec", "strategy_specs", "traits_of"]
+           "WorkloadSpec", "baseline_strategy", "check_consistency", "describe_validation_error", "is_baseline",
+           "remember_spec_class", "strategy_spec", "strategy_specs", "traits_of"]

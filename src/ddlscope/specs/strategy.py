@@ -49,6 +49,18 @@ class Traits:
     # (Omnivore): neither the main study's parameter servers nor its collectives.
     hybrid: bool = False
 
+    @property
+    def stages_model(self) -> bool:
+        """The model cut into consecutive stages, one per rank, each rank holding only its stage's states
+        (the pipeline family)."""
+        return self.family == "pipeline"
+
+    @property
+    def splits_layers(self) -> bool:
+        """Each rank runs only its share of the model's layers (pipeline stages, tensor-parallel heads), so
+        it keeps about 1 / world of the activations."""
+        return self.family in ("pipeline", "tensor")
+
 
 class StrategySpec(Spec):
     """Fields shared by every strategy; subclasses add their knobs and declare their traits."""
@@ -91,6 +103,12 @@ def strategy_specs() -> list[type[StrategySpec]]:
 def traits_of(name: str) -> Traits | None:
     """A registered strategy's traits, None for a name no spec registers (e.g. an old stored run's)."""
     return STRATEGY_SPECS.get(name).traits if name in STRATEGY_SPECS else None
+
+
+def baseline_strategy() -> str:
+    """The registered one-process strategy (`single_process`), the simplest if several: what a one-rank
+    experiment runs when it names none."""
+    return next(cls.registered_name for cls in strategy_specs() if cls.traits.single_process)
 
 
 def is_baseline(name: str) -> bool:
