@@ -239,7 +239,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                               "--model"),
     "predict-workload-image-size": (["predict", "--cluster", "a100-80gb:1x4", "--model", "resnet-cifar",
                                      "--global-batch", "8", "--image-size", "224"], "--image-size"),
-    "predict-negative-hidden": (["predict", "--cluster", "h100:1x8", *MODEL, "--hidden", "-5"], "model.hidden"),
+    "predict-negative-hidden": (["predict", "--cluster", "h100:1x8", *MODEL, "--hidden", "-5"], "--hidden = -5"),
     "predict-tp-not-dividing-gpus": (["predict", "--cluster", "h100:1x8", *MODEL, "--tp", "3"], "tp x pp"),
     "predict-pp-over-layers": (["predict", "--cluster", "h100:1x8", *MODEL, "--layers", "2", "--pp", "4"], "pp = 4"),
     "predict-heads-not-dividing-tp": (["predict", "--cluster", "h100:1x8", *MODEL, "--heads", "12", "--hidden", "4092",

@@ -145,6 +145,7 @@ def transformer_spec(exp: Experiment, model: Any) -> Any:
     GPT (untied output layer, learned positions), or a transformers decoder read off its config. None
     for anything else. Priced as `plan` prices a GPT: bf16 with fp32 master weights, flash attention."""
     from ddlscope.predict import ModelSpec
+    from ddlscope.predict.specs import decoder_model_spec
 
     cfg = getattr(model, "cfg", None)
     if all(hasattr(cfg, k) for k in ("vocab_size", "seq_len", "layers", "hidden", "heads", "mlp_ratio")):
@@ -155,12 +156,8 @@ def transformer_spec(exp: Experiment, model: Any) -> Any:
         from ddlscope.workloads.sources import hf_architectures, hf_decoder_facts
 
         if exp.workload.model_name in hf_architectures()[0]:
-            facts = hf_decoder_facts(exp.workload)
-            shape = {k: facts[k] for k in ("hidden", "heads", "layers", "seq", "vocab", "kv_heads", "ffn_hidden",
-                                           "tied_embeddings", "learned_positions")}
-            options = [ModelSpec(**shape, gated_mlp=g, global_batch=exp.workload.batch_size, name=exp.workload.name)
-                       for g in (False, True)]
-            return min(options, key=lambda m: abs(m.layer_params - (facts["layer_params"] or 0)))
+            return decoder_model_spec(hf_decoder_facts(exp.workload), global_batch=exp.workload.batch_size,
+                                      name=exp.workload.name)
     return None
 
 

@@ -39,8 +39,9 @@ TF32 peak) and `optimizer` (sgd, sgd-momentum, adamw) in [model], and
 and `strategy` (ddp, fsdp, ps-sync, ps-async) in [parallel]; see
 `ddlscope.predict.cnn_predict`.
 
-Bad input raises `ddlscope.specs.ConfigError`; the CLI's main() prints its
-one-line message and exits with status 2.
+File and flags together are one `ddlscope.specs.prediction.PredictionInput`,
+validated once; bad input raises `ddlscope.specs.ConfigError`, and the CLI's
+main() prints its one-line message and exits with status 2.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ from __future__ import annotations
 import functools
 import json
 import tomllib
-from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 from rich.markup import escape
@@ -59,20 +59,8 @@ from rich.table import Column, Table
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, JsonOption, RunArg, cluster_from_text, console, db_option,
                                  require_store)
 from ddlscope.specs import ConfigError
+from ddlscope.specs.prediction import CNN_MODELS, ModelInput, PredictionInput, read_input
 from ddlscope.store import Store
-
-MODEL_KEYS = ("name", "hidden", "heads", "layers", "seq", "vocab", "global_batch", "attention", "dtype", "ffn_hidden",
-              "kv_heads", "gated_mlp", "image_size", "classes", "optimizer", "experts", "top_k", "capacity_factor",
-              "expert_imbalance")
-PARALLEL_KEYS = ("tp", "cp", "pp", "dp", "ep", "micro_batch", "zero", "recompute", "sequence_parallel", "interleave", "schedule",
-                 "overlap_grad_reduce", "fused_grad_accumulation", "bucket_mb", "strategy")
-TOP_KEYS = ("cluster", "spot", "sustained_fraction", "model", "parallel")
-CNN_MODELS = ("resnet50", "vgg16", "densenet121")  # = ddlscope.predict.cnn.CNN_MODELS (not imported at startup)
-MODELS = ("gpt", *CNN_MODELS)
-CNN_ONLY_MODEL_KEYS = ("image_size", "classes", "optimizer")
-GPT_ONLY_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "attention", "ffn_hidden", "kv_heads", "gated_mlp",
-                       "experts", "top_k", "capacity_factor", "expert_imbalance")
-REQUIRED_MODEL_KEYS = ("hidden", "heads", "layers", "seq", "vocab", "global_batch")
 
 ConfigArg = Annotated[Optional[Path], typer.Argument(
     help="TOML file with cluster, \\[model] and \\[parallel]; flags override it.")]
@@ -180,45 +168,35 @@ def predict_command(
     if against is not None:
         print_run_prediction(against, db, calibration, as_json)
         return
-    from ddlscope.predict import predict
+    from ddlscope.predict import ParallelSpec, predict
 
-    raw = _read_config(config)
-    model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
-                        layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
-                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
-                        image_size=image_size, classes=classes, experts=experts, top_k=top_k,
-                        capacity_factor=capacity_factor, expert_imbalance=expert_imbalance)
-    parallel_raw = _merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS, tp=tp, cp=cp, ep=ep, pp=pp, dp=dp,
-                           micro_batch=micro_batch, zero=zero, recompute=recompute,
-                           sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule,
-                           overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation,
-                           strategy=strategy)
-    the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
-                                                             "--cluster (or cluster in the config file)"),
-                                                   calibration, db), sustained_fraction, raw)
-    use_spot = bool(spot if spot is not None else raw.get("spot", False))
-    if _is_cnn(model_raw):
-        _predict_cnn(model_raw, parallel_raw, the_cluster, use_spot, measured_step_s, sustained_fraction, raw,
-                     as_json)
+    spec = _input(config, cluster, spot, sustained_fraction, model=dict(
+        name=model, hidden=hidden, heads=heads, layers=layers, seq=seq, vocab=vocab, global_batch=global_batch,
+        attention=attention, dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
+        image_size=image_size, classes=classes, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+        expert_imbalance=expert_imbalance), parallel=dict(
+        tp=tp, cp=cp, ep=ep, pp=pp, dp=dp, micro_batch=micro_batch, zero=zero, recompute=recompute,
+        sequence_parallel=sequence_parallel, interleave=interleave, schedule=schedule,
+        overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation, strategy=strategy))
+    if measured_step_s is not None and spec.sustained_fraction is not None:
+        raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
+    the_cluster, use_spot = _cluster(spec, calibration, db), spec.spot
+    if spec.model.is_cnn:
+        _predict_cnn(spec, the_cluster, measured_step_s, as_json)
         return
-    if "strategy" in parallel_raw:
-        raise ConfigError("--strategy is for a CNN model (resnet50, vgg16, densenet121); a GPT's data-parallel "
-                          "strategy is --zero")
-    spec = _model_spec(model_raw)
-    parallel = _parallel_spec(parallel_raw, the_cluster.n_gpus)
+    step_model = _step_model(spec.model)
+    parallel = ParallelSpec(**spec.parallel.layout(the_cluster.n_gpus))
     if measured_step_s is not None:
-        if sustained_fraction is not None or "sustained_fraction" in raw:
-            raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
         from ddlscope.predict import fitted_prediction
 
-        fraction, result = fitted_prediction(spec, parallel, the_cluster, measured_step_s, spot=use_spot)
+        fraction, result = fitted_prediction(step_model, parallel, the_cluster, measured_step_s, spot=use_spot)
         fitted = {"sustained_fraction": fraction, "fitted_to_step_s": measured_step_s,
                   "catalogue_sustained_fraction": the_cluster.device.efficiency.sustained_fraction}
     else:
-        result, fitted = predict(spec, parallel, the_cluster, spot=use_spot), None
+        result, fitted = predict(step_model, parallel, the_cluster, spot=use_spot), None
     if as_json:
         out = result.to_dict()
-        out["parameters"] = spec.params
+        out["parameters"] = step_model.params
         out["sustained_fraction"] = fitted["sustained_fraction"] if fitted else \
             the_cluster.device.efficiency.sustained_fraction
         if fitted:
@@ -277,37 +255,29 @@ def plan_command(
 ) -> None:
     """Search every valid TP x PP x DP x micro-batch x ZeRO x recompute x SP x interleave config; rank those that fit."""
     from ddlscope.predict.planner import plan
+    from ddlscope.specs.prediction import PlanSearch
 
-    raw = _read_config(config)
-    model_raw = _merged(raw.get("model", {}), "model", MODEL_KEYS, name=model, hidden=hidden, heads=heads,
-                        layers=layers, seq=seq, vocab=vocab, global_batch=global_batch, attention=attention,
-                        dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
-                        image_size=image_size, classes=classes, experts=experts, top_k=top_k,
-                        capacity_factor=capacity_factor, expert_imbalance=expert_imbalance)
-    # checked; the layout is searched over, the stack's gradient handling holds for every layout
-    stack = _booleans(_merged(raw.get("parallel", {}), "parallel", PARALLEL_KEYS,
-                              overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation),
-                      STACK_KEYS)
-    if by not in ("time", "cost"):
-        raise ConfigError(f"--by = {by!r}: allowed: time, cost")
-    if max_micro_batch < 1:
-        raise ConfigError(f"--max-micro-batch = {max_micro_batch}: must be >= 1")
-    the_cluster = _stack_cluster(cluster_from_text(_required(cluster or raw.get("cluster"),
-                                                             "--cluster (or cluster in the config file)"),
-                                                   calibration, db), sustained_fraction, raw)
-    use_spot = bool(spot if spot is not None else raw.get("spot", False))
+    search = read_input(PlanSearch, {"by": by, "top": top, "max_micro_batch": max_micro_batch},
+                        flags=("by", "top", "max_micro_batch"))
+    # the layout is searched over; the stack's gradient handling ([parallel] or flags) holds for every layout
+    spec = _input(config, cluster, spot, sustained_fraction, model=dict(
+        name=model, hidden=hidden, heads=heads, layers=layers, seq=seq, vocab=vocab, global_batch=global_batch,
+        attention=attention, dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
+        image_size=image_size, classes=classes, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
+        expert_imbalance=expert_imbalance), parallel=dict(
+        overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation))
+    the_cluster = _cluster(spec, calibration, db)
     if burst:
-        _plan_burst(model_raw, the_cluster, background_efficiency, max_slowdown, as_json)
+        _plan_burst(spec.model, the_cluster, background_efficiency, max_slowdown, as_json)
         return
-    if _is_cnn(model_raw):
+    options = dict(top=search.top, rank_by=search.by, spot=spec.spot, max_micro_batch=search.max_micro_batch,
+                   **spec.parallel.stack())
+    if spec.model.is_cnn:
         from ddlscope.predict.cnn_predict import plan_cnn
 
-        result = plan_cnn(_cnn_spec(model_raw), the_cluster, top=top, rank_by=by, spot=use_spot,
-                          max_micro_batch=max_micro_batch, **stack)
+        result = plan_cnn(_cnn(spec.model), the_cluster, **options)
     else:
-        spec = _model_spec(model_raw)
-        result = plan(spec, the_cluster, top=top, rank_by=by, spot=use_spot, max_micro_batch=max_micro_batch,
-                      **stack)
+        result = plan(_step_model(spec.model), the_cluster, **options)
     if as_json:
         print(json.dumps({
             "cluster": result.cluster, "by": result.rank_by, "evaluated": result.evaluated,
@@ -317,15 +287,15 @@ def plan_command(
     _print_plan(result)
 
 
-def _plan_burst(model_raw: dict[str, Any], cluster: Any, background_efficiency: float, max_slowdown: float,
+def _plan_burst(model: ModelInput, cluster: Any, background_efficiency: float, max_slowdown: float,
                 as_json: bool) -> None:
     """`plan --burst`: uniform data parallelism against the burst plans (predict/burst.py)."""
     from ddlscope.predict.burst import burst, degree_runs
 
-    if not _is_cnn(model_raw):
+    if not model.is_cnn:
         raise ConfigError(f"--burst: prices a data-parallel degree per unit of a CNN ({', '.join(CNN_MODELS)}); "
                           "give --model with one of them")
-    result = burst(_cnn_spec(model_raw), cluster, background_efficiency, max_slowdown)
+    result = burst(_cnn(model), cluster, background_efficiency, max_slowdown)
     if as_json:
         print(json.dumps(result.to_dict()))
         return
@@ -348,14 +318,29 @@ def _plan_burst(model_raw: dict[str, Any], cluster: Any, background_efficiency: 
 
 
 # ---------------------------------------------------------------------------- input
-def _stack_cluster(cluster: Any, flag: Optional[float], raw: dict[str, Any]):
-    """The cluster with the flag's (else the config file's) sustained_fraction, when one is given."""
-    value = flag if flag is not None else raw.get("sustained_fraction")
-    if value is None:
-        return cluster
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"sustained_fraction = {value!r}: must be a number")
-    return cluster.with_sustained_fraction(float(value))
+def _input(config: Optional[Path], cluster: Optional[str], spot: Optional[bool], sustained_fraction: Optional[float],
+           model: dict[str, Any], parallel: dict[str, Any]) -> PredictionInput:
+    """The config file's tables with the flags given laid over them, validated once (specs/prediction.py)."""
+    flags = {"cluster": cluster, "spot": spot, "sustained_fraction": sustained_fraction, "model": model,
+             "parallel": parallel}
+    data, given = _with_flags(_read_config(config), flags)
+    return read_input(PredictionInput, data, given, vision_workloads=_vision_workloads)
+
+
+def _with_flags(raw: dict[str, Any], flags: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """`raw` with every flag given (not None) in its place, and the dotted keys the flags gave."""
+    data, given = dict(raw), set()
+    for key, value in flags.items():
+        if isinstance(value, dict):
+            table = {k: v for k, v in value.items() if v is not None}
+            given |= {f"{key}.{k}" for k in table}
+            section = data.get(key, {})
+            # a section that is not a table stays as the file has it, for the spec to name
+            data[key] = {**section, **table} if isinstance(section, dict) else section
+        elif value is not None:
+            data[key] = value
+            given.add(key)
+    return data, given
 
 
 def _read_config(path: Optional[Path]) -> dict[str, Any]:
@@ -364,46 +349,54 @@ def _read_config(path: Optional[Path]) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {' '.join(str(exc).split())}") from None
-    unknown = sorted(set(raw) - set(TOP_KEYS))
-    if unknown:
-        raise ConfigError(f"{unknown[0]} = {raw[unknown[0]]!r}: unknown field; allowed: {', '.join(TOP_KEYS)}")
-    for section in ("model", "parallel"):
-        if section in raw and not isinstance(raw[section], dict):
-            raise ConfigError(f"{section} = {raw[section]!r}: must be a table ([{section}])")
-    return raw
 
 
-def _merged(section: dict[str, Any], section_name: str, allowed: tuple[str, ...], **flags: Any) -> dict[str, Any]:
-    unknown = sorted(set(section) - set(allowed))
-    if unknown:
-        raise ConfigError(f"{section_name}.{unknown[0]} = {section[unknown[0]]!r}: unknown field; "
-                          f"allowed: {', '.join(allowed)}")
-    merged = dict(section)
-    merged.update({k: v for k, v in flags.items() if v is not None})
-    return merged
+def _cluster(spec: PredictionInput, calibration: Optional[Path], db: Path) -> Any:
+    """The cluster named, at the sustained fraction given (the catalogue refuses one past the device's peak)."""
+    cluster = cluster_from_text(spec.cluster, calibration, db)
+    if spec.sustained_fraction is None:
+        return cluster
+    return cluster.with_sustained_fraction(spec.sustained_fraction)
 
 
-def _required(value: Any, what: str) -> Any:
-    if value is None:
-        raise ConfigError(f"missing {what}")
-    return value
+def _step_model(model: ModelInput) -> Any:
+    """A GPT or a transformers decoder as predict.ModelSpec."""
+    from ddlscope.predict import ModelSpec
+
+    return _decoder(model) if model.kind == "hf" else ModelSpec(**model.gpt_knobs())
 
 
-def _is_cnn(model_raw: dict[str, Any]) -> bool:
-    name = model_raw.get("name", "gpt")
-    if not isinstance(name, str):
-        raise ConfigError(f"model.name = {name!r}: must be a string")
-    if ":" in name:  # a model source: a Hugging Face decoder is a GPT to the step model, the rest CNNs
-        return name.partition(":")[0] != "hf"
-    if name not in MODELS:
-        workloads = _vision_workloads()
-        if name not in workloads:
-            raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}, or a vision workload: "
-                              f"{', '.join(workloads)}")
-    return name != "gpt"
+def _decoder(model: ModelInput) -> Any:
+    """A transformers decoder (`hf:ARCH`) as the step model's GPT: its shapes from the flags, its
+    embeddings, positions and MLP read off the model built on the meta device."""
+    from pydantic import ValidationError
+
+    from ddlscope.predict.specs import decoder_model_spec
+    from ddlscope.specs import describe_validation_error
+    from ddlscope.workloads.sources import HFSpec, hf_decoder_facts
+
+    try:
+        hf = HFSpec(**model.decoder_knobs())
+    except ValidationError as err:  # sizes the architecture cannot take (heads not dividing hidden, ...)
+        raise ConfigError(describe_validation_error(err, prefix="model")) from None
+    return decoder_model_spec(hf_decoder_facts(hf), name=model.name, **model.batch_knobs())
+
+
+def _cnn(model: ModelInput) -> Any:
+    """A CNN as predict.cnn.CNNSpec; a registered workload's or a source's layers recorded from its model."""
+    from ddlscope.predict.cnn import CNNSpec, validate_cnn
+
+    knobs = model.cnn_knobs()
+    if model.kind == "source":
+        knobs["layers"] = _source_layers(model.name, knobs["image_size"], knobs["classes"]).layers
+    elif model.kind == "workload":
+        knobs["layers"] = _workload_layers(model.name)
+    spec = CNNSpec(**knobs)
+    validate_cnn(spec)
+    return spec
 
 
 def _vision_workloads() -> tuple[str, ...]:
@@ -429,15 +422,18 @@ def _workload_layers(name: str) -> tuple[Any, ...]:
     return tuple(Layer(**record) for record in cnn_layer_records(task.model, image))
 
 
+class RecordedModel(NamedTuple):
+    layers: tuple[Any, ...]  # predict/cnn.py's Layer, in forward order
+    notes: list[str]  # what the layer model leaves out of the step, for the prediction to say
+
+
 @functools.lru_cache(maxsize=8)  # plan and predict of one model in one process trace it once
-def _source_layers(name: str, image_size: int, classes: int) -> tuple[Any, ...]:
+def _source_layers(name: str, image_size: int, classes: int) -> RecordedModel:
     """A torchvision, timm or `module:` image model as predict/cnn.py's layers, recorded from one real
     forward of one image (studies/recorded.py), its FSDP units from the model's repeated blocks."""
     from ddlscope.runtime.config import load_experiment
     from ddlscope.studies.recorded import PRICED_FLOPS_TOLERANCE, priced_well, recorded_layers
 
-    if not 8 <= image_size <= 1024:
-        raise ConfigError(f"--image-size = {image_size}: must be between 8 and 1024")
     spec = load_experiment(None, {"workload.name": name, "workload.image_size": image_size,
                                   "workload.classes": classes}).workload
     layers, priced = recorded_layers(spec)
@@ -446,13 +442,10 @@ def _source_layers(name: str, image_size: int, classes: int) -> tuple[Any, ...]:
                           f"counts them (more than {PRICED_FLOPS_TOLERANCE:.0%} off: attention, or operations other "
                           "than convolutions, linear layers, norms and pools); predict it as a transformer "
                           "(--model gpt or hf:ARCH) instead")
-    _SOURCE_NOTES[name] = [] if abs(priced - 1) <= 0.01 else [
+    notes = [] if abs(priced - 1) <= 0.01 else [
         f"the layer model prices {priced:.1%} of {name}'s forward FLOPs as counted by torch (the rest, e.g. "
         "attention, is not in the step time)"]
-    return layers
-
-
-_SOURCE_NOTES: dict[str, list[str]] = {}  # notes of the models _source_layers recorded, for the prediction
+    return RecordedModel(layers, notes)
 
 
 def _memory_per_rank(spec: Any, strategy: str, cluster: Any) -> dict[str, Any]:
@@ -470,194 +463,36 @@ def _memory_per_rank(spec: Any, strategy: str, cluster: Any) -> dict[str, Any]:
     return per_rank
 
 
-def _hf_model_spec(raw: dict[str, Any]):
-    """A transformers decoder (`hf:ARCH`) as the step model's GPT: its shapes from the flags, whether
-    its MLP is gated (three matrices) found by matching one layer's parameters, its embeddings and
-    positions read off the model built on the meta device."""
-    from ddlscope.predict import ModelSpec
-    from ddlscope.specs import describe_validation_error
-    from ddlscope.workloads.sources import HFSpec, hf_decoder_facts
-    from pydantic import ValidationError
-
-    for key in REQUIRED_MODEL_KEYS:
-        _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
-    knobs = {"hidden": raw["hidden"], "heads": raw["heads"], "layers": raw["layers"], "seq_len": raw["seq"],
-             "vocab": raw["vocab"]}
-    knobs.update({name: raw[key] for key, name in (("kv_heads", "kv_heads"), ("ffn_hidden", "intermediate"))
-                  if raw.get(key)})
-    try:
-        hf = HFSpec(name=raw["name"], **knobs)
-    except ValidationError as err:
-        raise ConfigError(describe_validation_error(err, prefix="model")) from None
-    facts = hf_decoder_facts(hf)
-    shape = {k: facts[k] for k in ("hidden", "heads", "layers", "seq", "vocab", "kv_heads", "ffn_hidden",
-                                   "tied_embeddings", "learned_positions")}
-    kwargs = {k: raw[k] for k in ("global_batch", "attention", "dtype") if k in raw}
-    kwargs["global_batch"] = _int(kwargs["global_batch"], "model.global_batch", minimum=1)
-    candidates = [ModelSpec(name=raw["name"], gated_mlp=gated, **shape, **kwargs) for gated in (False, True)]
-    if facts["layer_params"]:
-        return min(candidates, key=lambda m: abs(m.layer_params - facts["layer_params"]))
-    return candidates[0]
-
-
-def _cnn_spec(raw: dict[str, Any]):
-    from ddlscope.predict.cnn import CNNSpec, validate_cnn
-
-    for key in GPT_ONLY_MODEL_KEYS:
-        if key in raw:
-            raise ConfigError(f"--{key.replace('_', '-')} (model.{key}) is a GPT option; "
-                              f"{raw['name']} takes --global-batch, --image-size, --classes, --dtype")
-    if raw["name"] not in CNN_MODELS and ":" not in raw["name"]:
-        for key in ("image_size", "classes"):
-            if key in raw:
-                raise ConfigError(f"--{key.replace('_', '-')}: {raw['name']} is a registered workload; its images "
-                                  "(32x32, 10 classes) are fixed")
-    kwargs: dict[str, Any] = {"name": raw["name"], "global_batch": _int(
-        _required(raw.get("global_batch"), "--global-batch (or model.global_batch in the config file)"),
-        "model.global_batch", minimum=1)}
-    for key in ("image_size", "classes"):
-        if key in raw:
-            kwargs[key] = _int(raw[key], f"--{key.replace('_', '-')}", minimum=1)
-    for key in ("dtype", "optimizer"):
-        if key in raw:
-            if not isinstance(raw[key], str):
-                raise ConfigError(f"model.{key} = {raw[key]!r}: must be a string")
-            kwargs[key] = raw[key]
-    if ":" in raw["name"]:
-        kwargs.setdefault("image_size", 224)
-        kwargs.setdefault("classes", 1000)
-        kwargs["layers"] = _source_layers(raw["name"], kwargs["image_size"], kwargs["classes"])
-    elif raw["name"] not in CNN_MODELS:
-        kwargs.update(image_size=32, classes=10, layers=_workload_layers(raw["name"]))
-    spec = CNNSpec(**kwargs)
-    validate_cnn(spec)
-    return spec
-
-
-def _predict_cnn(model_raw: dict[str, Any], parallel_raw: dict[str, Any], cluster: Any, spot: bool,
-                 measured_step_s: Optional[float], sustained_fraction: Optional[float], raw: dict[str, Any],
-                 as_json: bool) -> None:
-    from ddlscope.predict import fit_sustained_fraction
+def _predict_cnn(spec: PredictionInput, cluster: Any, measured_step_s: Optional[float], as_json: bool) -> None:
+    from ddlscope.predict import ParallelSpec, fit_sustained_fraction
     from ddlscope.predict.cnn_predict import predict_cnn, strategy_of
 
-    spec = _cnn_spec(model_raw)
-    strategy = parallel_raw.get("strategy")
-    if strategy is not None and not isinstance(strategy, str):
-        raise ConfigError(f"parallel.strategy = {strategy!r}: must be a string")
-    parallel = _parallel_spec(parallel_raw, cluster.n_gpus)
-    strategy = strategy_of(parallel, strategy)
+    net = _cnn(spec.model)
+    parallel = ParallelSpec(**spec.parallel.layout(cluster.n_gpus))
+    strategy = strategy_of(parallel, spec.parallel.strategy)
     fraction = None
     if measured_step_s is not None:
-        if sustained_fraction is not None or "sustained_fraction" in raw:
-            raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
-        predict_cnn(spec, parallel, cluster, strategy)  # refuse bad input before fitting
+        predict_cnn(net, parallel, cluster, strategy)  # refuse bad input before fitting
         fraction = fit_sustained_fraction(
-            lambda f: predict_cnn(spec, parallel, cluster.with_sustained_fraction(f), strategy).step_time_s,
+            lambda f: predict_cnn(net, parallel, cluster.with_sustained_fraction(f), strategy).step_time_s,
             measured_step_s, cluster.device)
         cluster = cluster.with_sustained_fraction(fraction)
-    result = predict_cnn(spec, parallel, cluster, strategy, spot=spot)
-    result.notes.extend(_SOURCE_NOTES.get(spec.name, []))
+    result = predict_cnn(net, parallel, cluster, strategy, spot=spec.spot)
+    if spec.model.kind == "source":  # recorded already: the cache hands back the same layers and notes
+        result.notes.extend(_source_layers(net.name, net.image_size, net.classes).notes)
     if as_json:
         out = result.to_dict()
         out["sustained_fraction"] = cluster.device.efficiency.sustained_fraction
-        if ":" in spec.name:  # a model source: `ddlscope memory`'s per-rank figures for this strategy too
-            out["memory_per_rank"] = _memory_per_rank(spec, strategy, cluster)
+        if spec.model.kind == "source":  # `ddlscope memory`'s per-rank figures for this strategy too
+            out["memory_per_rank"] = _memory_per_rank(net, strategy, cluster)
         if fraction is not None:
             out["fitted_to_step_s"] = measured_step_s
         print(json.dumps(out))
         return
-    _print_prediction(result, f"{strategy} DP{parallel.dp} mb{parallel.micro_batch}", spot)
+    _print_prediction(result, f"{strategy} DP{parallel.dp} mb{parallel.micro_batch}", spec.spot)
     if fraction is not None:
         console.print(f"sustained_fraction {fraction:.4f} reproduces the measured {measured_step_s:g} s step; pass "
                       f"--sustained-fraction {fraction:.3f} to predict or plan other configurations on this stack")
-
-
-def _model_spec(raw: dict[str, Any]):
-    from ddlscope.predict import ModelSpec
-
-    name = raw.get("name", "gpt")
-    if isinstance(name, str) and name.startswith("hf:"):
-        for key in ("gated_mlp", "experts", "top_k", "capacity_factor", "expert_imbalance", *CNN_ONLY_MODEL_KEYS):
-            if key in raw:
-                raise ConfigError(f"--{key.replace('_', '-')} (model.{key}): {name} is read off the model; "
-                                  "give its sizes (--hidden, --heads, --layers, --kv-heads, --ffn-hidden, --seq, --vocab)")
-        return _hf_model_spec(raw)
-    if name not in MODELS:
-        raise ConfigError(f"--model = {name!r}: allowed: {', '.join(MODELS)}")
-    for key in CNN_ONLY_MODEL_KEYS:
-        if key in raw:
-            raise ConfigError(f"--{key.replace('_', '-')} (model.{key}) is for a CNN model "
-                              f"({', '.join(CNN_MODELS)})")
-    for key in REQUIRED_MODEL_KEYS:
-        _required(raw.get(key), f"--{key.replace('_', '-')} (or model.{key} in the config file)")
-    kwargs = {k: raw[k] for k in MODEL_KEYS if k in raw}
-    for key in (*REQUIRED_MODEL_KEYS, "ffn_hidden", "kv_heads", "experts", "top_k"):
-        if key in kwargs:
-            kwargs[key] = _int(kwargs[key], f"model.{key}",
-                               minimum=0 if key in ("ffn_hidden", "kv_heads", "experts") else 1)
-    for key in ("capacity_factor", "expert_imbalance"):
-        if key in kwargs and (isinstance(kwargs[key], bool) or not isinstance(kwargs[key], (int, float))
-                              or kwargs[key] != kwargs[key]):
-            raise ConfigError(f"model.{key} = {kwargs[key]!r}: must be a number")
-    if "gated_mlp" in kwargs and not isinstance(kwargs["gated_mlp"], bool):
-        raise ConfigError(f"model.gated_mlp = {kwargs['gated_mlp']!r}: must be true or false")
-    attention = kwargs.get("attention", "flash")
-    if attention not in ("flash", "unfused"):
-        raise ConfigError(f"--attention = {attention!r}: allowed: flash, unfused")
-    dtype = kwargs.get("dtype", "bf16")
-    if dtype not in ("bf16", "fp16", "fp32"):
-        raise ConfigError(f"--dtype = {dtype!r}: allowed: bf16, fp16, fp32")
-    return ModelSpec(**kwargs)
-
-
-def _parallel_spec(raw: dict[str, Any], n_gpus: int):
-    from ddlscope.predict import ParallelSpec
-    from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES
-
-    kwargs = {k: raw[k] for k in PARALLEL_KEYS if k in raw and k != "strategy"}
-    for key in ("tp", "cp", "pp", "dp", "ep", "micro_batch", "interleave"):
-        if key in kwargs:
-            kwargs[key] = _int(kwargs[key], f"--{key.replace('_', '-')}", minimum=1)
-    if "zero" in kwargs:
-        kwargs["zero"] = _int(kwargs["zero"], "--zero", minimum=0)
-        if kwargs["zero"] not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero = {kwargs['zero']}: allowed: 0, 1, 2, 3")
-    recompute = kwargs.get("recompute", "none")
-    if recompute not in RECOMPUTE_CODES:
-        raise ConfigError(f"--recompute = {recompute!r}: allowed: {', '.join(RECOMPUTE_CODES)}")
-    schedule = kwargs.get("schedule", "1f1b")
-    if schedule not in SCHEDULE_CODES:
-        raise ConfigError(f"--schedule = {schedule!r}: allowed: {', '.join(SCHEDULE_CODES)}")
-    _booleans(kwargs, ("sequence_parallel", *STACK_KEYS))
-    if "dp" not in kwargs:
-        tp, pp, cp = kwargs.get("tp", 1), kwargs.get("pp", 1), kwargs.get("cp", 1)
-        if n_gpus % (tp * pp * cp):
-            sizes = f"tp x pp = {tp} x {pp}" if cp == 1 else f"tp x cp x pp = {tp} x {cp} x {pp}"
-            raise ConfigError(f"{sizes} = {tp * pp * cp}: must divide the cluster's {n_gpus} GPUs")
-        kwargs["dp"] = n_gpus // (tp * pp * cp)
-    known = {f.name for f in fields(ParallelSpec)}
-    return ParallelSpec(**{k: v for k, v in kwargs.items() if k in known})
-
-
-# [parallel] keys that describe the software stack rather than the layout: plan keeps them for every layout
-STACK_KEYS = ("overlap_grad_reduce", "fused_grad_accumulation")
-
-
-def _booleans(parallel_raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, bool]:
-    """Those of `keys` that [parallel] (or a flag) gives, checked: true or false."""
-    given = {k: parallel_raw[k] for k in keys if k in parallel_raw}
-    for key, value in given.items():
-        if not isinstance(value, bool):
-            raise ConfigError(f"parallel.{key} = {value!r}: must be true or false")
-    return given
-
-
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} = {value!r}: must be an integer")
-    if value < minimum:
-        raise ConfigError(f"{name} = {value}: must be >= {minimum}")
-    return value
 
 
 # ---------------------------------------------------------------------------- predict-run

@@ -48,11 +48,10 @@ from ddlscope.predict import compute
 from ddlscope.predict.catalogue import Device
 from ddlscope.predict.specs import BYTES_PER_ELEMENT
 from ddlscope.specs import ConfigError
+from ddlscope.specs.prediction import CNN_MODELS, Optimizer  # one list for the CLI's input and the model
 
 Kind = Literal["conv", "linear", "norm", "relu", "maxpool", "avgpool", "add", "concat", "dropout"]
-CNN_MODELS = ("resnet50", "vgg16", "densenet121")
 IMAGE_SIZES = (224, 32)
-Optimizer = Literal["sgd", "sgd-momentum", "adamw"]
 
 # Bytes read + written per output element by the memory-bound layers' forward, in units of the
 # activation dtype: batch norm reads its input twice (statistics, then normalise) and writes once;

@@ -6,15 +6,15 @@ cluster is `ddlscope.predict.catalogue.Cluster`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
-Recompute = Literal["none", "selective", "full"]
-Schedule = Literal["1f1b", "gpipe"]
-Attention = Literal["flash", "unfused"]
+# One list of allowed values for the CLI's input (specs/prediction.py) and the predictor.
+from ddlscope.specs.prediction import Attention, Recompute, Schedule
 
-RECOMPUTE_CODES: dict[str, int] = {"none": 0, "selective": 1, "full": 2}
-SCHEDULE_CODES: dict[str, int] = {"1f1b": 0, "gpipe": 1}
+RECOMPUTE_CODES: dict[str, int] = {name: code for code, name in enumerate(get_args(Recompute))}
+SCHEDULE_CODES: dict[str, int] = {name: code for code, name in enumerate(get_args(Schedule))}
 BYTES_PER_ELEMENT: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -128,6 +128,21 @@ class ModelSpec:
     @property
     def activation_bytes(self) -> int:
         return BYTES_PER_ELEMENT.get(self.dtype, 2)
+
+
+DECODER_SHAPE = ("hidden", "heads", "layers", "seq", "vocab", "kv_heads", "ffn_hidden", "tied_embeddings",
+                 "learned_positions")
+
+
+def decoder_model_spec(facts: Mapping[str, Any], **knobs: Any) -> ModelSpec:
+    """A transformers decoder as the step model's GPT, from `workloads.sources.hf_decoder_facts`: its shapes
+    as read, `knobs` (name, global_batch, ...) as given. Configs name a gated (SwiGLU) MLP in no common
+    way, so it is the one of the two MLPs whose layer has the parameters one built layer has."""
+    shape = {k: facts[k] for k in DECODER_SHAPE}
+    plain, gated = (ModelSpec(**shape, gated_mlp=g, **knobs) for g in (False, True))
+    if not facts.get("layer_params"):  # no layer found to count: the plain MLP, as GPT-2 has
+        return plain
+    return min((plain, gated), key=lambda m: abs(m.layer_params - facts["layer_params"]))
 
 
 @dataclass(frozen=True)
