@@ -29,9 +29,13 @@ def _layer(module: str) -> str:
 
 
 def _imports(path: Path) -> list[str]:
-    """Every ddlscope module `path` imports, at module level or inside a function."""
+    """Every ddlscope module `path` imports, at module level or inside a function; except the package's
+    public API, which its `__init__` imports lazily in `__getattr__` (a facade over the layers)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    if path.name == "__init__.py" and path.parent == PACKAGE:
+        tree.body = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "__getattr__")]
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddlscope"):
             found.append(node.module)
         elif isinstance(node, ast.Import):

@@ -97,6 +97,11 @@ CASES: dict[str, tuple[list[str], str]] = {
     "predict-source-image-size": (["predict", "--model", "torchvision:resnet50", "--image-size", "4", "--global-batch", "8", "--cluster", "h100:1x8"],
                                 "--image-size = 4"),
     # ---- memory and study paper --models
+    # ---- launch: the script is checked before any process starts
+    "launch-missing-script": (["launch", "--nproc", "2", "missing.py"], "missing.py: no such file"),
+    "launch-script-is-folder": (["launch", "dir.db"], "dir.db: not a file"),
+    "launch-not-python": (["launch", "ok.toml"], "ok.toml: not a Python script"),
+    "launch-zero-procs": (["launch", "--nproc", "0", "ok.toml"], "--nproc"),
     "memory-world-size-zero": (["memory", "torchvision:resnet18", "--world-size", "0"],
                              "--world-size = 0"),
     "memory-world-size-disagrees": (["memory", "torchvision:resnet18", "--cluster", "h100:1x8", "--world-size", "4"],

@@ -27,6 +27,7 @@ app = typer.Typer(
 # (name, function): the measuring commands first, then the predicting ones.
 COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("run", run.run),
+    ("launch", run.launch),
     ("runs", run.runs),
     ("show", run.show),
     ("export", run.export),

@@ -92,6 +92,54 @@ def run(
     _run_and_report(exp, None, db, quiet, as_json)
 
 
+# ---------------------------------------------------------------------------- launch
+def launch(
+    script: Annotated[Path, typer.Argument(help="Your training script (it calls ddlscope.attach).")],
+    script_args: Annotated[Optional[list[str]], typer.Argument(
+        metavar="-- ARGS", help="The script's own arguments, after `--`.")] = None,
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes (ranks) on this machine.")] = 1,
+    name: Annotated[Optional[str], typer.Option(help="The run's name (default: the script's).")] = None,
+    hang_timeout: Annotated[float, typer.Option(
+        "--hang-timeout", min=1.0, help="Seconds past the slowest step before the watchdog ends a stuck run.")] = 300.0,
+    max_restarts: Annotated[int, typer.Option(min=0, help="Restart every rank up to K times when one dies "
+                                              "(the script resumes from its own checkpoints).")] = 0,
+    db: DbOption = DEFAULT_DB,
+    as_json: Annotated[bool, json_option("Print the summary as one JSON object.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Run your own training script as torchrun would, with ddlscope's watchdog and store.
+
+    Each rank runs SCRIPT as __main__ with RANK, WORLD_SIZE and MASTER_ADDR/PORT set; a script that calls
+    `ddlscope.attach(model, optimizer)` and marks its steps is measured per rank and step, and stored like
+    a `ddlscope run` (docs/attach.md). Example: ddlscope launch --nproc 2 train.py -- --epochs 1
+    """
+    from ddlscope.runtime.script import check_script, launch_script
+
+    check_script(script)
+    if db.parent and not db.resolve().parent.exists():
+        raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
+    show_progress = not quiet and not as_json and console.is_terminal
+    with _progress(None, enabled=show_progress) as on_progress:
+        result = launch_script(script, script_args or [], nproc, db, name=name, hang_timeout_s=hang_timeout,
+                               max_restarts=max_restarts, on_progress=on_progress)
+    _report_stored(db, result.run_id, as_json)
+    if result.status != "finished":
+        err_console.print(f"run {result.run_id} {result.status}: {result.error}", markup=False, highlight=False,
+                          soft_wrap=True)
+        raise typer.Exit(130 if result.status == "interrupted" else 1)
+
+
+def _report_stored(db: Path, run_id: int, as_json: bool) -> None:
+    from ddlscope.analysis.summary import summarize
+
+    with Store(db) as store:
+        summary = summarize(store, store.get_run(run_id))
+    if as_json:
+        print(json.dumps(summary.to_dict(), default=str))
+    else:
+        _print_summary(summary)
+
+
 def _resumable(ref: str, db: Path) -> tuple[Any, Run]:
     """The stored run to resume and its experiment; refused in one line when it cannot be resumed."""
     from ddlscope.runtime.config import experiment_from_dict
@@ -117,14 +165,7 @@ def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json
         console.print(f"node {exp.cluster.node_rank}: {result.status}; this node's ranks sent their rows to node 0's store",
                       markup=False, highlight=False)
         raise typer.Exit(0 if result.status == "finished" else 1)
-    with Store(db) as store:
-        from ddlscope.analysis.summary import summarize
-
-        summary = summarize(store, store.get_run(result.run_id))
-    if as_json:
-        print(json.dumps(summary.to_dict(), default=str))
-    else:
-        _print_summary(summary)
+    _report_stored(db, result.run_id, as_json)
     if result.status != "finished":
         err_console.print(f"run {result.run_id} {result.status}: {result.error}  (worker logs: {result.run_dir / 'logs'})",
                           markup=False, highlight=False, soft_wrap=True)
@@ -134,7 +175,7 @@ def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json
 class _progress:
     """A rich progress bar fed by the launcher's row follower; nothing when disabled."""
 
-    def __init__(self, total_steps: int, enabled: bool):
+    def __init__(self, total_steps: int | None, enabled: bool):
         self.total, self.enabled = total_steps, enabled
         self.bar: Progress | None = None
 

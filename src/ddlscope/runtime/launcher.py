@@ -170,13 +170,13 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     if store and run_id is not None:
         store.mark_running(run_id)
     stop_progress = threading.Event()
-    progress = _start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
+    progress = start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
     reaper = ExitReaper(run_dir, nprocs)
     reaper.start()
     first_rank = cluster.node_rank * cluster.procs_per_node
     local_ranks = list(range(first_rank, first_rank + cluster.procs_per_node)) \
         + list(range(cluster.world_size, cluster.world_size + exp.strategy.extra_ranks()))
-    watchdog = Watchdog(run_dir, local_ranks, cluster.hang_timeout_s, _end_hung_run,
+    watchdog = Watchdog(run_dir, local_ranks, cluster.hang_timeout_s, end_hung_run,
                         startup_s=HANG_STARTUP_S + max(cluster.start_delay_s, default=0.0))
     watchdog.start()
     status, error = "finished", None
@@ -190,7 +190,7 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
             rdzv_endpoint=cluster.rdzv_endpoint, nnodes=cluster.nnodes, is_host=cluster.node_rank == 0,
             log_dir=run_dir / "logs", threads_per_rank=cluster.threads_per_rank, max_restarts=cluster.max_restarts)
     except ChildFailedError as exc:
-        status, error = "failed", _first_failure(exc)
+        status, error = "failed", first_failure(exc)
         if reaper.killed:  # every rank had finished; only their exit hung
             status, error = "finished", None
     except (KeyboardInterrupt, SignalException) as exc:
@@ -236,7 +236,7 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
 HANG_STARTUP_S = 300.0
 
 
-def _end_hung_run(message: str, pids: list[int]) -> None:
+def end_hung_run(message: str, pids: list[int]) -> None:
     """The watchdog found a hang: stop the elastic agent (a SIGTERM to this process, which the agent
     turns into an orderly shutdown without restarts) and kill every rank at once (a stopped rank
     cannot act on anything gentler)."""
@@ -376,7 +376,7 @@ def _environment_variable(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def _first_failure(exc: ChildFailedError) -> str:
+def first_failure(exc: ChildFailedError) -> str:
     """One line for the root-cause failure: the worker's exception, or how the process died.
 
     The earliest failure, as torch's get_first_failure picks it, except within one second (its
@@ -459,7 +459,7 @@ def _running(pid: int) -> bool:
         return True
 
 
-def _start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[dict[str, Any]], None] | None,
+def start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[dict[str, Any]], None] | None,
                     stop: threading.Event) -> threading.Thread | None:
     """Follow the first local rank's row file and report each new step."""
     if on_progress is None:

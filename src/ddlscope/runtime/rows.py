@@ -122,7 +122,7 @@ def run_dir_for(store_path: Path, run_uuid: str) -> Path:
     return store_path.resolve().parent / "ddlscope-runs" / run_uuid
 
 
-def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
+def ingest_run_dir(store: Store, run_id: int, run_dir: Path, *, serial: bool = False) -> dict[str, int]:
     """Every row of a run's files into the store, in one transaction (idempotent).
 
     PARSERS threads read the files (a file of up to CHUNK_BYTES whole, a larger one in chunks of whole
@@ -132,9 +132,15 @@ def ingest_run_dir(store: Store, run_id: int, run_dir: Path) -> dict[str, int]:
     few chunks whatever the size of the run.
 
     Past LARGE_INGEST_BYTES of files, processes parse instead (`_parse_pool`), and the store may write
-    the rows through a rollback journal (Store._bulk_load says when and why)."""
+    the rows through a rollback journal (Store._bulk_load says when and why).
+
+    `serial`: parse on this thread (at interpreter exit, where Python starts no new thread: an attached
+    job's rank 0 stores its rows from an exit handler, runtime/attach.py)."""
     files = run_files(run_dir)
     large = sum(_size_bytes(path) for path in files) > LARGE_INGEST_BYTES
+    if serial:
+        batches = (batch for task in _parse_tasks(files, run_id) for batch in task())
+        return store.ingest_batches(run_id, batches, large=large)
     return store.ingest_batches(run_id, _parsed_ahead(files, run_id, in_processes=large), large=large)
 
 

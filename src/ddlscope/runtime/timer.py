@@ -64,6 +64,20 @@ class PhaseTimer:
             self.backward_end_s = self._mark_s
             self._after_backward()
 
+    def close_phase(self, name: str, cpu_start_s: float | None = None) -> None:
+        """End phase `name` now, for a caller that sees phase boundaries as hooks rather than blocks
+        (runtime/attach.py): the same device synchronisation and accounting as `phase`.
+        `cpu_start_s`: the thread CPU clock when the phase began (compute phases)."""
+        if name not in self.seconds:
+            raise ValueError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
+        device_sync(self.device)
+        if name in COMPUTE_PHASES and cpu_start_s is not None:
+            self.compute_cpu_s += time.thread_time() - cpu_start_s
+        self._close(name)
+        if name == "backward":
+            self.backward_end_s = self._mark_s
+            self._after_backward()
+
     def _close(self, name: str) -> None:
         now = clock()
         self.seconds[name] += now - self._mark_s

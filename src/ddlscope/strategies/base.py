@@ -23,6 +23,9 @@ from ddlscope.specs import Experiment, StrategySpec
 from ddlscope.strategies.comm import CommRecorder, CommStats, LinkModel
 from ddlscope.workloads.base import Task
 
+# The step's communication of an attached job, given the ends of its backward and forward (seconds).
+AttachedCommStats = Callable[[float, float], CommStats]
+
 
 @dataclass
 class RunContext:
@@ -74,6 +77,21 @@ class Strategy(ABC):
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module to train (e.g. wrapped in DDP). The model is already on the device."""
         return model
+
+    # --- a model the user wrapped (ddlscope.attach, runtime/attach.py) ---------------------------------
+
+    @classmethod
+    def wraps(cls, model: nn.Module) -> bool:
+        """Whether `model` is wrapped the way this strategy wraps it (torch's DDP, FSDP2), so that an
+        attached job is stored as this strategy. Asked only of the class that defines it: a subclass
+        that trains differently inside the same wrapper does not claim the user's model."""
+        return False
+
+    @classmethod
+    def time_attached(cls, model: nn.Module, recorder: CommRecorder) -> tuple[AttachedCommStats, str]:
+        """Time the communication of a model the user wrapped as this strategy does: the step's
+        communication (given when backward and forward ended), and a note when it cannot be timed."""
+        return (lambda backward_end_s, _forward_end_s: recorder.pop(backward_end_s)), ""
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn) -> None:
         """What `train_step` trains: the wrapped model, its optimizer and the workload's loss."""

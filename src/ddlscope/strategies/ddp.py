@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ddlscope.specs import bucketing as plans
 from ddlscope.specs.strategies.ddp import DDPSpec
 from ddlscope.strategies import RUNTIMES
+from ddlscope.strategies.base import AttachedCommStats
 from ddlscope.strategies.batching import SplitBatch
+from ddlscope.strategies.comm import CommRecorder
 from ddlscope.strategies.bucketing import (
     bucket_caps_mb, gradient_layers, link_alpha_beta, probe_alpha_beta, same_on_every_rank)
 from ddlscope.strategies.compression import compression_hook, timed_hook
@@ -54,6 +56,20 @@ class DDP(SplitBatch):  # batch_split: strategies/batching.py
                                   serialise_buckets=self.ctx.backend == "gloo")
         ddp.register_comm_hook(chosen.state, timed_hook(chosen.hook, chosen.payload_bytes, self.comm, chosen.kind))
         return ddp
+
+    @classmethod
+    def wraps(cls, model: nn.Module) -> bool:
+        return isinstance(model, DistributedDataParallel)
+
+    @classmethod
+    def time_attached(cls, model: nn.Module, recorder: CommRecorder) -> tuple[AttachedCommStats, str]:
+        """torch's default all-reduce inside the timing hook, unless the user registered a hook (DDP takes one)."""
+        stats: AttachedCommStats = lambda backward_end_s, _forward_end_s: recorder.pop(backward_end_s)  # noqa: E731
+        if getattr(model, "_comm_hooks", None):
+            return stats, "the model already has a DDP comm hook: its all-reduces are not timed"
+        hook = compression_hook("none", group=model.process_group)
+        model.register_comm_hook(hook.state, timed_hook(hook.hook, hook.payload_bytes, recorder, hook.kind))
+        return stats, ""
 
     def _bucket_plan(self, model: nn.Module) -> tuple[plans.BucketPlan | None, plans.AlphaBeta | None]:
         """The spec's plan over measured layers (rank 0's, on every rank), or None for DDP's size buckets."""

@@ -26,7 +26,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from ddlscope.specs import ConfigError, StrategySpec
 from ddlscope.specs.strategies.fsdp import FSDPSpec
 from ddlscope.strategies import RUNTIMES
-from ddlscope.strategies.base import RunContext, Strategy
+from ddlscope.strategies.base import AttachedCommStats, RunContext, Strategy
 from ddlscope.strategies.comm import CommRecorder, CommStats, Pending
 from ddlscope.strategies.units import wrap_units
 
@@ -61,11 +61,18 @@ class FSDP(Strategy):
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         self._root = model
         self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for unit in self._units:
-            unit.set_custom_all_gather(_TimedAllGather(self._timer))
-            unit.set_custom_reduce_scatter(_TimedReduceScatter(self._timer))
+        time_fsdp_collectives(self._units, self.comm, self._timer)
         model.register_forward_hook(self._after_forward)
         return model
+
+    @classmethod
+    def wraps(cls, model: nn.Module) -> bool:
+        return any(isinstance(m, FSDPModule) for m in model.modules())
+
+    @classmethod
+    def time_attached(cls, model: nn.Module, recorder: CommRecorder) -> tuple[AttachedCommStats, str]:
+        timer = time_fsdp_collectives([m for m in model.modules() if isinstance(m, FSDPModule)], recorder)
+        return timer.comm_stats, ""
 
     def comm_stats(self, backward_end_s: float) -> CommStats:
         """Communication of the step just finished.
@@ -94,11 +101,7 @@ class FSDP(Strategy):
         time (and the recorded completion) is host time, not GPU time; it
         understates communication there.
         """
-        stats = self.comm.pop(backward_end_s)
-        blocked = self._timer.pop_blocked()
-        in_forward = sum(s for launch_s, s in blocked if launch_s < self._forward_end_s)
-        in_backward = sum(s for launch_s, s in blocked if self._forward_end_s <= launch_s <= backward_end_s)
-        return CommStats(stats.bytes_sent, stats.total_s, in_backward, in_forward)
+        return self._timer.comm_stats(backward_end_s, self._forward_end_s)
 
     def discard_comm_stats(self) -> None:
         super().discard_comm_stats()
@@ -123,6 +126,17 @@ def mixed_precision_policy(mode: str, device: torch.device) -> MixedPrecisionPol
 # --- timed collectives ------------------------------------------------------
 
 
+def time_fsdp_collectives(units: list[FSDPModule], recorder: CommRecorder,
+                          timer: "_CollectiveTimer | None" = None) -> "_CollectiveTimer":
+    """Time every all-gather and reduce-scatter of these FSDP2 units into `recorder` (also for a model
+    the user sharded: runtime/attach.py); the timer splits each step's blocked time (`comm_stats`)."""
+    timer = timer or _CollectiveTimer(recorder)
+    for unit in units:
+        unit.set_custom_all_gather(_TimedAllGather(timer))
+        unit.set_custom_reduce_scatter(_TimedReduceScatter(timer))
+    return timer
+
+
 class _CollectiveTimer:
     """Records each FSDP collective in the strategy's CommRecorder, plus how
     long the calling thread was blocked on it (its exposed communication)."""
@@ -145,6 +159,15 @@ class _CollectiveTimer:
 
     def _blocked_since(self, pending: Pending, since_s: float) -> None:
         self._blocked.append((pending.launch_s, clock() - since_s))
+
+    def comm_stats(self, backward_end_s: float, forward_end_s: float) -> CommStats:
+        """The step's communication: the recorder's bytes and in-flight time, and the blocked time
+        split at the forward's end (all-gathers in forward) and backward's (see FSDP.comm_stats)."""
+        stats = self.recorder.pop(backward_end_s)
+        blocked = self.pop_blocked()
+        in_forward = sum(s for launch_s, s in blocked if launch_s < forward_end_s)
+        in_backward = sum(s for launch_s, s in blocked if forward_end_s <= launch_s <= backward_end_s)
+        return CommStats(stats.bytes_sent, stats.total_s, in_backward, in_forward)
 
     def pop_blocked(self) -> list[tuple[float, float]]:
         blocked, self._blocked = self._blocked, []
