@@ -1,8 +1,8 @@
 """How much slower is a DDP training loop when ddlscope instruments it?
 
-One invocation runs the same data-parallel training job two ways, several times,
-interleaved (bare, ddlscope, bare, ddlscope, ...) so that machine noise lands on
-both evenly:
+One invocation runs the same data-parallel training job three ways, several times,
+interleaved (bare, ddlscope, attached, bare, ...) so that machine noise lands on
+all evenly:
 
 (a) bare: `bare_worker` below, plain torch and nothing of ddlscope in the loop.
     Started with torch's `elastic_launch` (c10d rendezvous on 127.0.0.1 and a
@@ -16,6 +16,10 @@ both evenly:
 (b) ddlscope: `ddlscope.runtime.launcher.launch()` with the same experiment
     (evaluation only after the last step), i.e. the instrumented loop with
     its timers, timing comm hook, per-step JSON rows and the rest.
+(c) attached: the bare loop of (a) with ddlscope attached to it as a user
+    would (`ddlscope.attach(model, optimizer)`, each step in `meter.step()`,
+    its loss given; docs/attach.md): hooks, timing comm hook, per-step rows,
+    the FLOP count of step 0 and the memory of step 1, timed exactly as (a).
 
 Both use OMP_NUM_THREADS=1 and one intra-op thread per rank, and both send the
 workers' stdout/stderr to log files.
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from contextlib import nullcontext
 import os
 import statistics
 import sys
@@ -116,8 +121,9 @@ def _own_cpu_s() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def bare_worker(experiment_json: str, warmup: int) -> dict[str, float]:
-    """One rank of the plain-torch DDP loop. Returns its timings in seconds."""
+def bare_worker(experiment_json: str, warmup: int, attach_db: str = "") -> dict[str, float]:
+    """One rank of the plain-torch DDP loop (with ddlscope attached when `attach_db` names a store).
+    Returns its timings in seconds."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -140,17 +146,27 @@ def bare_worker(experiment_json: str, warmup: int) -> dict[str, float]:
         per_rank = spec.batch_size // world
         loss_fn, data = task.loss_fn, task.train
 
+        meter = None
+        if attach_db:
+            import ddlscope
+
+            meter = ddlscope.attach(model, optimizer, run="overhead-attached", db=attach_db)
         start = timed_start = time.perf_counter()
         for step in range(spec.steps):
             if step == warmup:
                 timed_start = time.perf_counter()
-            x, y = data.get(sampler.rank_batch(step, rank, per_rank))
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            with meter.step(samples=per_rank) if meter else nullcontext() as marked:
+                x, y = data.get(sampler.rank_batch(step, rank, per_rank))
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if marked is not None:
+                    marked.loss = loss
             loss.item()
         end = time.perf_counter()
+        if meter is not None:
+            meter.close()  # stores the rows (rank 0): after the timed interval, like ddlscope's ingest
         return {"timed_s": end - timed_start, "loop_s": end - start}
     finally:
         dist.destroy_process_group()
@@ -177,8 +193,8 @@ def make_experiment(workload: str, world_size: int, steps: int, extra: dict[str,
     return load_experiment(None, overrides)
 
 
-def run_bare(exp: Any, warmup: int, log_dir: Path) -> tuple[float, float]:
-    """(slowest rank's timed interval, slowest rank's whole loop) of one bare run."""
+def run_bare(exp: Any, warmup: int, log_dir: Path, attach_db: str = "") -> tuple[float, float]:
+    """(slowest rank's timed interval, slowest rank's whole loop) of one bare (or attached) run."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -192,7 +208,7 @@ def run_bare(exp: Any, warmup: int, log_dir: Path) -> tuple[float, float]:
         rdzv_configs={"timeout": 600}, max_restarts=0, monitor_interval=0.1, start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL),
     )
-    results = elastic_launch(config, overhead.bare_worker)(exp.model_dump_json(), warmup)
+    results = elastic_launch(config, overhead.bare_worker)(exp.model_dump_json(), warmup, attach_db)
     return max(r["timed_s"] for r in results.values()), max(r["loop_s"] for r in results.values())
 
 
@@ -239,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.warmup} are warm-up; per-step time over the other {timed}")
 
     ratios: list[float] = []
+    attached_ratios: list[float] = []
     busy_flags: list[bool] = []
     with tempfile.TemporaryDirectory(prefix="ddlscope-overhead-") as tmp:
         store_path = Path(tmp) / "overhead.db"
@@ -247,27 +264,35 @@ def main(argv: list[str] | None = None) -> int:
                 bare_s, bare_loop_s = run_bare(exp, args.warmup, Path(tmp) / f"bare-logs-{repeat}")
             with ForeignCpu() as scope_other:
                 scope_s, scope_loop_s = run_ddlscope(exp, args.warmup, store_path)
+            with ForeignCpu() as attached_other:
+                attached_s, attached_loop_s = run_bare(exp, args.warmup, Path(tmp) / f"attached-logs-{repeat}",
+                                                       attach_db=str(Path(tmp) / "attached.db"))
             ratio = scope_s / bare_s
             ratios.append(ratio)
-            busy = any(o.cores is not None and o.cores > BUSY_CORES for o in (bare_other, scope_other))
+            attached_ratios.append(attached_s / bare_s)
+            others = (bare_other, scope_other, attached_other)
+            busy = any(o.cores is not None and o.cores > BUSY_CORES for o in others)
             busy_flags.append(busy)
             print(f"repeat {repeat}: bare {1e3 * bare_s / timed:7.3f} ms/step   "
                   f"ddlscope {1e3 * scope_s / timed:7.3f} ms/step   ratio {ratio:.3f}   "
-                  f"(whole loop: bare {bare_loop_s:.3f} s, ddlscope train_s {scope_loop_s:.3f} s; "
-                  f"other: {bare_other} / {scope_other} cores){'  BUSY MACHINE' if busy else ''}", flush=True)
+                  f"attached {1e3 * attached_s / timed:7.3f} ms/step   ratio {attached_s / bare_s:.3f}   "
+                  f"(whole loop: bare {bare_loop_s:.3f} s, ddlscope train_s {scope_loop_s:.3f} s, attached "
+                  f"{attached_loop_s:.3f} s; other: {' / '.join(map(str, others))} cores)"
+                  f"{'  BUSY MACHINE' if busy else ''}", flush=True)
 
-    quiet = [r for r, busy in zip(ratios, busy_flags) if not busy]
+    quiet = [i for i, busy in enumerate(busy_flags) if not busy]
     if not quiet:
-        print(f"warning: other processes used more than {BUSY_CORES} core during every pair; "
-              "the ratio below is unreliable, rerun on a quiet machine")
-        which = f"{len(ratios)}"
+        print(f"warning: other processes used more than {BUSY_CORES} core during every repeat; "
+              "the ratios below are unreliable, rerun on a quiet machine")
+        quiet, which = list(range(len(ratios))), f"{len(ratios)}"
     elif len(quiet) < len(ratios):
-        print(f"note: {len(ratios) - len(quiet)} of {len(ratios)} pairs ran on a busy machine and are left out")
-        which, ratios = f"{len(quiet)} quiet pairs of {len(ratios)}", quiet
+        print(f"note: {len(ratios) - len(quiet)} of {len(ratios)} repeats ran on a busy machine and are left out")
+        which = f"{len(quiet)} quiet repeats of {len(ratios)}"
     else:
         which = f"{len(ratios)}"
-    median = statistics.median(ratios)
-    print(f"overhead ratio (ddlscope/bare, median of {which}): {median:.3f}  (target <= {TARGET_RATIO:.2f})")
+    for label, values in (("ddlscope/bare", ratios), ("attached/bare", attached_ratios)):
+        median = statistics.median(values[i] for i in quiet)
+        print(f"overhead ratio ({label}, median of {which}): {median:.3f}  (target <= {TARGET_RATIO:.2f})")
     return 0
 
 
