@@ -104,7 +104,8 @@ def launch(
     max_restarts: Annotated[int, typer.Option(min=0, help="Restart every rank up to K times when one dies "
                                               "(the script resumes from its own checkpoints).")] = 0,
     db: DbOption = DEFAULT_DB,
-    as_json: Annotated[bool, json_option("Print the summary as one JSON object.")] = False,
+    as_json: Annotated[bool, json_option("Print the summary as one JSON object (the script's own output goes "
+                                         "to standard error).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Run your own training script as torchrun would, with ddlscope's watchdog and store.
@@ -121,7 +122,7 @@ def launch(
     show_progress = not quiet and not as_json and console.is_terminal
     with _progress(None, enabled=show_progress) as on_progress:
         result = launch_script(script, script_args or [], nproc, db, name=name, hang_timeout_s=hang_timeout,
-                               max_restarts=max_restarts, on_progress=on_progress)
+                               max_restarts=max_restarts, on_progress=on_progress, output_to_stderr=as_json)
     _report_stored(db, result.run_id, as_json)
     if result.status != "finished":
         err_console.print(f"run {result.run_id} {result.status}: {result.error}", markup=False, highlight=False,

@@ -143,6 +143,7 @@ class Meter:
         self._phase: str | None = None  # the phase open now, inside a step
         self._phase_cpu_s = 0.0
         self._forward_end_s = float("-inf")
+        self._output_loss: Tensor | None = None  # a model that computes its loss returns it (transformers)
         self._step: Step | None = None
         self._step_index = 0
         self._previous_end_s: float | None = None
@@ -292,6 +293,7 @@ class Meter:
     def _after_forward(self, _module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
         if self._step is None or not torch.is_grad_enabled():
             return
+        self._output_loss = _loss_in(output)
         for tensor in _tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._on_output_gradient)
@@ -356,7 +358,8 @@ class Meter:
             comm_wait_s=comm.exposed_in_forward_s + comm.exposed_in_backward_s + phases["synchronize"],
             optimizer_s=phases["optimizer"], step_s=timer.end_s - timer.step_start_s, comm_s=comm.total_s,
             compute_cpu_s=timer.compute_cpu_s, samples=step.samples if step.samples is not None else 0,
-            loss=_float(step.loss), bytes_sent=comm.bytes_sent)
+            loss=_float(step.loss if step.loss is not None else self._output_loss), bytes_sent=comm.bytes_sent)
+        self._output_loss = None
 
 
 # --- what the model is, and its communication ------------------------------------------------------
@@ -424,6 +427,12 @@ def _tensors_in(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors_in(item)
+
+
+def _loss_in(output: Any) -> Tensor | None:
+    """The loss a model's output carries (a transformers ModelOutput's, a dict's "loss"), if any."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    return loss if isinstance(loss, Tensor) and loss.numel() == 1 else None
 
 
 def _float(value: float | Tensor | None) -> float:

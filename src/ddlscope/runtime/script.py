@@ -26,11 +26,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ddlscope.runtime.attach import (
-    ATTACHED_EVENT, RUN_DIR_ENV, RUN_NAME_ENV, create_attached_run, current_meter)
+    ATTACHED_EVENT, LAUNCHER_LOGS_ENV, RUN_DIR_ENV, RUN_NAME_ENV, create_attached_run, current_meter)
 from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.launcher import (
-    HANG_STARTUP_S, RDZV_ID, end_hung_run, first_failure, start_progress, launch_processes)
+    HANG_STARTUP_S, RDZV_ID, _environment_variable, end_hung_run, first_failure, start_progress, launch_processes)
 from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, read_records, run_dir_for
+from ddlscope.runtime.sinks import SinkChoice, run_label
 from ddlscope.specs import ConfigError
 from ddlscope.store import Store
 
@@ -42,6 +43,8 @@ class ScriptResult:
     run_dir: Path
     error: str | None = None
     rows: dict[str, int] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)  # sink -> where it wrote (--log)
+    log_errors: list[str] = field(default_factory=list)
 
 
 def check_script(script: Path) -> None:
@@ -56,8 +59,14 @@ def check_script(script: Path) -> None:
 
 def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, *, name: str | None = None,
                   hang_timeout_s: float = 300.0, max_restarts: int = 0,
-                  on_progress: Callable[[dict[str, Any]], None] | None = None) -> ScriptResult:
+                  on_progress: Callable[[dict[str, Any]], None] | None = None,
+                  output_to_stderr: bool = False, sinks: SinkChoice | None = None) -> ScriptResult:
     """Run `script ARGS` in `nprocs` ranks on this machine and store what its attached meter measured.
+
+    `output_to_stderr`: the script's standard output goes to standard error (`launch --json` keeps its
+    standard output for the summary).
+
+    `sinks`: TensorBoard / MLflow / W&B, fed here from rank 0's file (the ranks pay nothing).
 
     Raises ConfigError (nothing stored) when the script fails before it measures a step, or ends
     without ever attaching."""
@@ -68,23 +77,32 @@ def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, 
     opener = _RunOpener(store_path, run_uuid, run_dir)
     opener.start()
     stop_progress = threading.Event()
-    progress = start_progress(run_dir, 0, on_progress, stop_progress)
+    label = name or script.stem
+    logging_to = sinks.open(run_label(label, run_uuid), {"name": label, "script": str(script), "args": list(args),
+                                                         "world_size": nprocs}, batch_ranks=nprocs) if sinks else None
+    progress = start_progress(run_dir, 0, on_progress, stop_progress, logging_to)
     watchdog = Watchdog(run_dir, list(range(nprocs)), hang_timeout_s, end_hung_run, startup_s=HANG_STARTUP_S)
     watchdog.start()
     status, error = "finished", None
+    # The ranks learn that this launcher logs (their meters then leave `attach(log=...)` to it).
+    launcher_logs = _environment_variable(LAUNCHER_LOGS_ENV, ",".join(sinks.names) if sinks else "")
+    launcher_logs.__enter__()
     try:
-        launch_processes(script_main, (str(script.resolve()), list(args), str(run_dir), name or script.stem), nprocs,
+        launch_processes(script_main, (str(script.resolve()), list(args), str(run_dir), name or script.stem,
+                                       output_to_stderr), nprocs,
                          run_id=f"{RDZV_ID}-{run_uuid[:12]}", max_restarts=max_restarts)
     except ChildFailedError as exc:
         status, error = "failed", first_failure(exc)
     except (KeyboardInterrupt, SignalException) as exc:
         status, error = "interrupted", f"interrupted by {getattr(getattr(exc, 'sigval', None), 'name', 'SIGINT')}"
     finally:
+        launcher_logs.__exit__(None, None, None)
         stop_progress.set()
         watchdog.stop()
         opener.stop()
         if progress:
             progress.join(timeout=5)
+        log_errors = logging_to.close(status) if logging_to is not None else []
     if watchdog.message:
         status, error = "failed", watchdog.message
     run_id = opener.open_now()  # a file that appeared after the opener's last look
@@ -94,11 +112,16 @@ def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, 
             raise ConfigError(f"{script.name} ended without measuring a step: call ddlscope.attach(model, optimizer) "
                               "and mark steps with `with meter.step():` (docs/attach.md)")
         raise ConfigError(f"{script.name} failed before its first measured step: {error}")
-    return _store(store_path, run_id, run_dir, nprocs, status, error, watchdog.message)
+    result = _store(store_path, run_id, run_dir, nprocs, status, error, watchdog.message)
+    result.logs, result.log_errors = (logging_to.places if logging_to else {}), log_errors
+    return result
 
 
-def script_main(script: str, args: list[str], run_dir: str, name: str) -> dict[str, Any]:
+def script_main(script: str, args: list[str], run_dir: str, name: str, output_to_stderr: bool = False) -> dict[str, Any]:
     """A rank: run the script as `__main__`, then close its meter (the script may not have)."""
+    if output_to_stderr:
+        sys.stdout.flush()
+        os.dup2(2, 1)
     os.environ[RUN_DIR_ENV] = run_dir
     os.environ[RUN_NAME_ENV] = name
     sys.argv = [script, *args]
