@@ -53,6 +53,7 @@ from ddlscope.runtime.heartbeat import Heartbeat
 from ddlscope.runtime.instrument import (
     ActivationMeter, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter, done_pids, leave_done_marker, rank_file, run_dir_for
+from ddlscope.runtime.sinks import SinkChoice, Sinks, choose_sinks, run_label
 from ddlscope.runtime.timer import PhaseTimer
 from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB
@@ -70,6 +71,8 @@ ATTACHED_EVENT = "attached"  # the first record of every attached rank's file: w
 MEMORY_STEP = 1  # the first step pays one-off costs (DDP's bucket rebuild, lazy state)
 MAX_COUNTED_SHAPES = 8  # FLOPs are counted on the first step of each new input shape, up to this many
 CLOSE_WAIT_S = 120.0  # rank 0 waits this long at close for the other ranks' files
+# Set by `ddlscope launch --log` in its ranks: the launcher feeds the sinks, so `attach(log=...)` leaves them to it.
+LAUNCHER_LOGS_ENV = "DDLSCOPE_LAUNCHER_LOGS"
 
 
 class AttachError(ConfigError):
@@ -81,13 +84,15 @@ _current_lock = threading.Lock()
 
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | None = None,
-           db: str | os.PathLike[str] | None = None) -> "Meter":
+           db: str | os.PathLike[str] | None = None, log: str | None = None,
+           log_dir: str | os.PathLike[str] | None = None) -> "Meter":
     """Measure `model` and `optimizer` in the caller's own loop; mark each step with `meter.step()`.
 
     `run`: the run's name (default: the script's file name). `db`: the store for a job not started by
     `ddlscope launch` (default: $DDLSCOPE_DB, else the store's default in the working folder). Call it after
     `torch.distributed.init_process_group` and after wrapping the model (DDP, `fully_shard`), once per
-    process.
+    process. `log`: sinks rank 0 also writes each step to, "tensorboard,mlflow,wandb" or some of them
+    (runtime/sinks.py), under `log_dir` (default: ddlscope-logs beside the store).
     """
     global _current
     if not isinstance(model, nn.Module):
@@ -98,7 +103,8 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | Non
         if _current is not None and not _current.closed:
             raise AttachError("ddlscope.attach was called twice in this process: attach once, after wrapping the "
                               "model, and reuse the meter it returned")
-        _current = Meter(model, optimizer, run_name=run, db=Path(db) if db is not None else None)
+        _current = Meter(model, optimizer, run_name=run, db=Path(db) if db is not None else None, log=log,
+                         log_dir=log_dir)
     atexit.register(_close_at_exit, _current)
     return _current
 
@@ -129,13 +135,18 @@ class Step:
 class Meter:
     """One process's measurements of an attached job (see the module's docstring)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_name: str | None, db: Path | None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_name: str | None, db: Path | None,
+                 log: str | None = None, log_dir: str | os.PathLike[str] | None = None):
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = _rank_and_world()
         self.device = _device_of(model)
         self.run_name = run_name or os.environ.get(RUN_NAME_ENV) or Path(sys.argv[0] or "job").stem or "job"
         self.store_path = (db or Path(os.environ.get(DB_ENV, str(DEFAULT_DB)))).resolve()
         self.launched_dir = Path(os.environ[RUN_DIR_ENV]) if os.environ.get(RUN_DIR_ENV) else None
+        self._sink_choice: SinkChoice | None = choose_sinks(log, log_dir, self.store_path, "ddlscope.attach: log",
+                                                            "ddlscope.attach: log_dir")
+        self._sinks: Sinks | None = None  # rank 0's, opened at the first step
+        self.log_places: dict[str, str] = {}  # sink -> where it wrote
         self.closed = False
         self.comm = CommRecorder(ranks=self.world)
         self.strategy, self._comm_note, self._comm_stats = _instrument_communication(model, self.comm)
@@ -216,6 +227,9 @@ class Meter:
         self._memory.setdefault("parameters", parameter_bytes(self.model))
         self._memory.update(peak_process_bytes(self.device))
         self._writer.write("memory", bytes=self._memory)
+        if self._sinks is not None:
+            for note in self._sinks.close(status):
+                print(f"ddlscope: {note}", file=sys.stderr)
         if error:
             self._writer.event("error", error)
         self._writer.event("train_end", f"train_s={(self._previous_end_s or clock()) - self._start_s:.3f}")
@@ -244,6 +258,19 @@ class Meter:
         if self._comm_note:
             self._writer.event("comm_unrecorded", self._comm_note)
         self._memory["parameters"] = parameter_bytes(self.model)
+        self._open_sinks()
+
+    def _open_sinks(self) -> None:
+        """Rank 0's sinks (`attach(log=...)`), unless `ddlscope launch --log` feeds them from its side."""
+        if self._sink_choice is None or self.rank != 0 or (self.launched_dir and os.environ.get(LAUNCHER_LOGS_ENV)):
+            return
+        assert self._run_dir is not None
+        self._sinks = self._sink_choice.open(run_label(self.run_name, self._run_dir.name), self.description(),
+                                             batch_ranks=self.world)
+        self.log_places = self._sinks.places
+        self._writer.tee = self._sinks.record  # every record from now on (steps, flops, memory): a queue put each
+        # Exit handlers run last-registered first: close before the sinks' libraries close themselves.
+        atexit.register(_close_at_exit, self)
 
     def description(self) -> dict[str, Any]:
         """The job as the store's run row holds it (the `attached` record; see `run_from_attached`)."""

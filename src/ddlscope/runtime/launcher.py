@@ -40,6 +40,7 @@ from ddlscope.runtime.emulation import resolve_link
 from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.netns import ShapedNetwork
 from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, run_dir_for  # noqa: F401 (re-exported)
+from ddlscope.runtime.sinks import SinkChoice, Sinks, run_label
 from ddlscope.runtime.worker import worker_main
 from ddlscope.specs import ConfigError, Experiment
 from ddlscope.store import Run, Store
@@ -60,6 +61,8 @@ class LaunchResult:
     run_dir: Path
     error: str | None = None
     rows: dict[str, int] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)  # sink -> where it wrote (--log)
+    log_errors: list[str] = field(default_factory=list)  # sinks that failed (the run went on)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -96,24 +99,26 @@ def environment() -> dict[str, Any]:
 
 
 def launch(exp: Experiment, store_path: Path,
-           on_progress: Callable[[dict[str, Any]], None] | None = None, resume: Run | None = None) -> LaunchResult:
+           on_progress: Callable[[dict[str, Any]], None] | None = None, resume: Run | None = None,
+           sinks: SinkChoice | None = None) -> LaunchResult:
     """Run one experiment to the end and return how it went. Never leaves a run marked running.
 
     `resume`: a stored run (interrupted or failed) to continue from its newest checkpoint, under the
     same id; its rows from that checkpoint on are replaced. In `shaped` network mode the ranks'
     namespaces live for the whole launch and are removed whatever happens; when this machine cannot
     shape, ShapingUnavailable (a ConfigError, one line) is raised before the run is created.
+    `sinks`: TensorBoard / MLflow / W&B, fed from rank 0's file by the progress thread (node 0 only).
     """
     cluster = exp.cluster
     if cluster.network.mode != "shaped":
-        return _launch(exp, store_path, on_progress, resume=resume)
+        return _launch(exp, store_path, on_progress, resume=resume, sinks=sinks)
     if cluster.nnodes > 1:
         raise ConfigError(f"cluster.network.mode = 'shaped' runs on one node; cluster.nnodes = {cluster.nnodes} "
                           "(use mode = 'emulated' across nodes)")
     _, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
     nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
     with ShapedNetwork(nprocs, network_record["shaped_bandwidth_bytes_per_s"]) as shaped:
-        return _launch(exp, store_path, on_progress, shaped, resume)
+        return _launch(exp, store_path, on_progress, shaped, resume, sinks)
 
 
 def checkpoint_root(exp: Experiment, run_dir: Path) -> Path:
@@ -148,7 +153,8 @@ def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | Non
 
 
 def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, Any]], None] | None,
-            shaped: ShapedNetwork | None = None, resume: Run | None = None) -> LaunchResult:
+            shaped: ShapedNetwork | None = None, resume: Run | None = None,
+            sinks: SinkChoice | None = None) -> LaunchResult:
     cluster = exp.cluster
     link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
     if shaped:
@@ -170,7 +176,9 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     if store and run_id is not None:
         store.mark_running(run_id)
     stop_progress = threading.Event()
-    progress = start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress)
+    logging_to = _open_sinks(exp, run_dir, sinks) if sinks is not None and run_id is not None else None
+    progress = start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress,
+                              logging_to)
     reaper = ExitReaper(run_dir, nprocs)
     reaper.start()
     first_rank = cluster.node_rank * cluster.procs_per_node
@@ -204,10 +212,12 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         watchdog.stop()
         if progress:
             progress.join(timeout=5)
+        log_errors = logging_to.close(status) if logging_to is not None else []
     if watchdog.message:  # the watchdog ended the run (through SIGTERM to this process)
         status, error = "failed", watchdog.message
 
-    result = LaunchResult(status, run_id, run_dir, error)
+    result = LaunchResult(status, run_id, run_dir, error, logs=logging_to.places if logging_to else {},
+                          log_errors=log_errors)
     if store is None or run_id is None:
         return result
     try:
@@ -229,6 +239,13 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     if result.status == "finished":
         shutil.rmtree(run_dir, ignore_errors=True)  # everything is in the store now
     return result
+
+
+def _open_sinks(exp: Experiment, run_dir: Path, sinks: SinkChoice) -> Sinks:
+    """The run's sinks, named after the run (run_dir's name is its uuid), its experiment as their config."""
+    splits = exp.strategy.traits.splits_global_batch
+    return sinks.open(run_label(exp.name or exp.workload.name, run_dir.name), experiment_to_dict(exp),
+                      batch_ranks=exp.cluster.world_size if splits else 1)
 
 
 # Before the first step, a rank may take this long to start (rendezvous, building the model) before
@@ -460,9 +477,9 @@ def _running(pid: int) -> bool:
 
 
 def start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[dict[str, Any]], None] | None,
-                    stop: threading.Event) -> threading.Thread | None:
-    """Follow the first local rank's row file and report each new step."""
-    if on_progress is None:
+                    stop: threading.Event, sinks: Sinks | None = None) -> threading.Thread | None:
+    """Follow the first local rank's row file and report each new step; hand `sinks` every record."""
+    if on_progress is None and sinks is None:
         return None
 
     def follow() -> None:
@@ -477,7 +494,12 @@ def start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[
                 complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits
                 offset += len(complete)
                 for line in complete.decode("utf-8").splitlines():
-                    if '"kind":"step"' in line or '"kind":"eval"' in line:
+                    if sinks is not None:
+                        try:
+                            sinks.record(json.loads(line))
+                        except ValueError:  # not JSON: the ingest skips such a line too
+                            pass
+                    if on_progress is not None and ('"kind":"step"' in line or '"kind":"eval"' in line):
                         on_progress(json.loads(line))
             if done:
                 return

@@ -35,9 +35,12 @@ class RowWriter:
         self._event_seq = 1 + max((r["seq"] for r in read_records(path) if r.get("kind") == "event"), default=-1) \
             if path.exists() else 0
         self._file = open(path, "a", buffering=1, encoding="utf-8")
+        self.tee: Callable[[dict[str, Any]], None] | None = None  # also gets each record written (runtime/sinks.py)
 
     def write(self, kind: str, **fields: Any) -> None:
         self._file.write(encode_record(kind, self.rank, fields))
+        if self.tee is not None:
+            self.tee({"kind": kind, "rank": self.rank, **fields})
 
     def write_record(self, record: dict[str, Any]) -> None:
         """Copy a record as it is (rows another rank produced)."""
