@@ -1,4 +1,9 @@
-"""2-rank DDP with per-rank batch b == single with batch 2b on the same samples."""
+"""2-rank DDP with per-rank batch b == single with batch 2b on the same samples.
+
+One single run and one DDP run (module-scoped, in one store) serve both tests: the equality of their
+parameters, and the speedup `show` reports against the single baseline."""
+
+import json
 
 import pytest
 import torch
@@ -6,35 +11,52 @@ import torch
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 6
+COMMON = {"workload.name": "mlp-digits", "workload.batch_size": 32, "workload.lr": 0.2, "seed": 3}
 
 
-def _train(cli, tmp_path, strategy: str, world: int, out: str, extra=()):
-    result = cli("run", "--workload", "mlp-digits", "--strategy", strategy, "--world-size", str(world),
-                 "--steps", str(STEPS), "--batch-size", "32", "--seed", "3", "--set", "workload.lr=0.2",
-                 "--set", f"save_model_path=\"{tmp_path / out}\"", "--quiet", *extra, timeout_s=180)
-    assert result.returncode == 0, result.stderr
-    return torch.load(tmp_path / out)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run 1: single, one process; run 2: ddp on 2 ranks; the same experiment otherwise."""
+    from conftest import run_cli
+
+    home = tmp_path_factory.mktemp("ddp-equivalence")
+    models = {}
+    for strategy, world in (("single", 1), ("ddp", 2)):
+        result = run_cli("run", "--workload", "mlp-digits", "--strategy", strategy, "--world-size", str(world),
+                         "--steps", str(STEPS), "--batch-size", "32", "--seed", "3", "--set", "workload.lr=0.2",
+                         "--set", f"save_model_path=\"{home / strategy}.pt\"", "--quiet", cwd=home, timeout_s=180)
+        assert result.returncode == 0, result.stderr
+        models[strategy] = torch.load(home / f"{strategy}.pt")
+    return home, models
 
 
-def test_ddp_matches_single_with_double_batch(cli, tmp_path):
-    single = _train(cli, tmp_path, "single", 1, "single.pt")
-    ddp = _train(cli, tmp_path, "ddp", 2, "ddp.pt")
+@pytest.mark.timeout(300)
+def test_ddp_matches_single_with_double_batch(runs):
+    from ddlscope.runtime.config import load_experiment
+    from ddlscope.workloads import WORKLOADS
+
+    _, models = runs
+    single, ddp = models["single"], models["ddp"]
     assert single.keys() == ddp.keys()
     for name in single:
         torch.testing.assert_close(ddp[name], single[name], atol=1e-5, rtol=0)
-    # Training really moved the parameters, so the comparison is not trivially true:
-    # a run with a tiny learning rate stays near the initial weights, far from both.
-    barely_trained = _train(cli, tmp_path, "single", 1, "barely.pt", extra=("--set", "workload.lr=0.0001"))
-    assert max((barely_trained[n] - single[n]).abs().max().item() for n in single) > 1e-3
+    # Training really moved the parameters, so the comparison is not trivially true: both runs end far
+    # from the weights they started from (the model a rank builds from the same seed).
+    exp = load_experiment(None, COMMON)
+    initial = WORKLOADS.get("mlp-digits").build(exp.workload, exp.seed).model.state_dict()
+    assert initial.keys() == single.keys()
+    assert max((initial[n] - single[n]).abs().max().item() for n in single) > 1e-3
 
 
-def test_speedup_appears_once_a_single_baseline_exists(cli, tmp_path):
-    import json
+@pytest.mark.timeout(300)
+def test_speedup_appears_once_a_single_baseline_exists(runs):
+    from conftest import run_cli
 
-    for strategy, world in (("single", 1), ("ddp", 2)):
-        assert cli("run", "--strategy", strategy, "--world-size", str(world), "--steps", "5", "--quiet",
-                   timeout_s=180).returncode == 0
-    summary = json.loads(cli("show", "2", "--json", timeout_s=60).stdout)
+    home, _ = runs
+    shown = run_cli("show", "2", "--json", cwd=home, timeout_s=60)
+    assert shown.returncode == 0, shown.stderr
+    summary = json.loads(shown.stdout)
+    assert summary["run"]["strategy"] == "ddp"
     assert summary["baseline_run_id"] == 1
     assert summary["speedup_vs_single"] > 0
     assert summary["scaling_efficiency"] == pytest.approx(summary["speedup_vs_single"] / 2)

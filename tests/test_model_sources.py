@@ -2,12 +2,14 @@
 
 Fast checks in this process (the data has structure to learn, the FSDP units are
 each model's blocks, the file loaders read torchvision's on-disk formats), then
-every source trained for real under ddp, fsdp and ps-async at 2 ranks, read back
-with `show` and `report`."""
+every source trained for real at 2 ranks under ddp and fsdp (one process group for
+all of them) and under ps-async through `ddlscope run`, read back with `show` and
+`report`."""
 
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import sqlite3
@@ -229,34 +231,77 @@ def user_home(tmp_path_factory) -> Path:
 
 
 STEPS = 4
+GROUP_STRATEGIES = ("ddp", "fsdp")
+
+
+def _overrides(source: str, strategy: str) -> dict:
+    name, knobs = SMALL[source]
+    return {"workload.name": name, **{f"workload.{k}": v for k, v in {**knobs, **FEW_SAMPLES}.items()},
+            "workload.batch_size": 8, "workload.steps": STEPS, "strategy.name": strategy, "cluster.world_size": 2}
+
+
+@pytest.fixture(scope="module")
+def in_one_group(user_home: Path, tmp_path_factory) -> Path:
+    """Every source under ddp and under fsdp: the runtime's loop on 2 gloo ranks, all eight runs one after
+    another in one process group (tests/rank_runs.py), started from the user's folder, so that processes
+    start once rather than once a run. The launcher's path (`ddlscope run`: the experiment handed to the
+    ranks as JSON, the FLOPs profile, the store, `show` and `report`) is taken once per source, with the
+    parameter server, below."""
+    from rank_runs import spawn_runs
+
+    out = tmp_path_factory.mktemp("sources-in-one-group")
+    here = Path.cwd()
+    os.chdir(user_home)
+    try:
+        spawn_runs(out, 2, [(f"{source}-{strategy}", _overrides(source, strategy), None)
+                            for source in SMALL for strategy in GROUP_STRATEGIES])
+    finally:
+        os.chdir(here)
+    return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("source", list(SMALL))
-def test_every_source_trains_under_ddp_fsdp_and_a_parameter_server(source: str, user_home: Path) -> None:
+def test_every_source_trains_under_ddp_fsdp_and_a_parameter_server(source: str, user_home: Path,
+                                                                   in_one_group: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import run_cli
 
+    monkeypatch.chdir(user_home)  # module:examples... is imported from where the user runs
     name, knobs = SMALL[source]
+    with torch.device("meta"):
+        names = list(model_of(experiment(name, **knobs).workload).state_dict())
+    for strategy in GROUP_STRATEGIES:
+        state = torch.load(in_one_group / f"{source}-{strategy}.pt")
+        # the whole model (FSDP's shards gathered) under the model's own names, trained to finite values
+        assert list(state) == names, strategy
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), strategy
+        for rank in range(2):
+            rows = json.loads((in_one_group / f"{source}-{strategy}-{rank}.json").read_text())
+            losses = [r["loss"] for r in rows if r.get("kind") == "step" and r.get("loss") is not None]
+            assert len(losses) == STEPS and all(np.isfinite(losses)), (strategy, rank, losses)
+            assert [r for r in rows if r.get("kind") == "memory"], (strategy, rank)
+        evals = [r for r in json.loads((in_one_group / f"{source}-{strategy}-0.json").read_text())
+                 if r.get("kind") == "eval"]
+        assert evals and np.isfinite(evals[-1]["loss"]), (strategy, evals)
+
     db = f"{source}.db"
     sets = [arg for k, v in {**knobs, **FEW_SAMPLES, "batch_size": 8}.items() for arg in ("--set", f"workload.{k}={v}")]
-    for strategy in ("ddp", "fsdp", "ps-async"):
-        result = run_cli("run", "--workload", name, "--strategy", strategy, "--world-size", "2", "--steps", str(STEPS),
-                         "--db", db, *sets, cwd=user_home, timeout_s=200)
-        assert result.returncode == 0, (strategy, result.stderr[-2000:])
+    result = run_cli("run", "--workload", name, "--strategy", "ps-async", "--world-size", "2", "--steps", str(STEPS),
+                     "--db", db, *sets, cwd=user_home, timeout_s=200)
+    assert result.returncode == 0, result.stderr[-2000:]
     with sqlite3.connect(user_home / db) as conn:
         runs = conn.execute("SELECT id, workload, strategy, status FROM runs ORDER BY id").fetchall()
-        assert [(w, s, st) for _, w, s, st in runs] == [(name, s, "finished") for s in ("ddp", "fsdp", "ps-async")]
-        for run_id, _, strategy, _ in runs:
-            losses = [loss for (loss,) in conn.execute("SELECT loss FROM steps WHERE run_id=? AND loss IS NOT NULL",
-                                                      (run_id,))]
-            assert len(losses) >= STEPS and all(np.isfinite(losses)), (strategy, losses)
-    shown = run_cli("show", "2", "--json", "--db", db, cwd=user_home, timeout_s=60)
+        assert [(w, s, st) for _, w, s, st in runs] == [(name, "ps-async", "finished")]
+        losses = [loss for (loss,) in conn.execute("SELECT loss FROM steps WHERE run_id=1 AND loss IS NOT NULL")]
+        assert len(losses) >= STEPS and all(np.isfinite(losses)), losses
+    shown = run_cli("show", "1", "--json", "--db", db, cwd=user_home, timeout_s=60)
     assert shown.returncode == 0, shown.stderr
     shown_json = json.loads(shown.stdout)
     assert shown_json["run"]["workload"] == name and shown_json["steps_recorded"] == STEPS
     assert shown_json["memory_bytes_by_rank"] and shown_json["final_eval"]
-    report = run_cli("report", "1", "2", "3", "-o", f"{source}.html", "--db", db, cwd=user_home, timeout_s=120)
+    report = run_cli("report", "1", "-o", f"{source}.html", "--db", db, cwd=user_home, timeout_s=120)
     assert report.returncode == 0, report.stderr
     assert name in (user_home / f"{source}.html").read_text()
 

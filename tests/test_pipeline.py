@@ -30,8 +30,10 @@ EQUAL = {"workload.name": "gpt-synthetic", "workload.layers": 4, "workload.hidde
          "workload.lr": 0.5, "workload.eval_batches": 1, "seed": 5}
 # Large enough per micro-batch that compute dominates the sends and waits and the head's extra work on the
 # last chunk (interleaved, over its formula: hidden 192 / seq 64 1.9x; hidden 512 / seq 128 1.10x on an AMD
-# EPYC, 1.25-1.28x on an Intel Xeon, failing the 25% bound; hidden 768 1.03-1.10x on the Xeon).
-TIMED = {**EQUAL, "workload.hidden": 768, "workload.seq_len": 128, "workload.batch_size": 32, "workload.steps": 4}
+# EPYC, 1.25-1.28x on an Intel Xeon, failing the 25% bound; hidden 768 1.03-1.10x on the Xeon). The batch
+# scales every part of a micro-batch's work and its sends alike (not the stages' balance), so 16 rather than
+# 32 halves the runs' time: micro-batches of 4 x 128 tokens, each stage's forward still ~0.1 s of compute.
+TIMED = {**EQUAL, "workload.hidden": 768, "workload.seq_len": 128, "workload.batch_size": 16, "workload.steps": 4}
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero-bubble": 2}
 MICRO_BATCHES = 4
 MAX_STRETCH = 1.3  # wall-clock compute over thread CPU time past which the machine is too busy to time a bubble

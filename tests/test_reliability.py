@@ -8,7 +8,8 @@
   rows, and `run --resume` finishes the run with an uninterrupted run's rows.
 
 Steps are slowed by an emulated 15 ms link latency (numerics unchanged), so a run lasts long
-enough to be hit mid-way. The random step is printed on failure.
+enough to be hit mid-way. The random step is printed on failure. Each strategy's uninterrupted
+reference run is made once per module and shared by the tests that compare against it.
 """
 
 from __future__ import annotations
@@ -113,14 +114,40 @@ def no_process_left(pids: list[int]) -> bool:
     return not any(alive(p) for p in pids)
 
 
+# ---------------------------------------------------------------------------- uninterrupted references
+STEPS = 40
+# momentum: the optimizer has state a restart or a resume must bring back
+COMMON = ["--steps", str(STEPS), "--seed", "3", "--quiet", *SLOW_LINK, "--set", "workload.momentum=0.9"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of each strategy's experiment, made once (in its own folder and store) for
+    every test that compares a killed, restarted or resumed run with it: a reference(strategy) call runs
+    it the first time and returns its summary and its (rank, step) -> loss rows."""
+    home = tmp_path_factory.mktemp("uninterrupted")
+    done: dict[str, tuple[dict, dict]] = {}
+
+    def reference(strategy: str) -> tuple[dict, dict]:
+        if strategy not in done:
+            code, _, err = finish(start(home, "run", *STRATEGIES[strategy], *COMMON, "--db", f"{strategy}.db"), 240)
+            assert code == 0, err
+            shown = subprocess.run([sys.executable, "-m", "ddlscope", "show", "1", "--json", "--db", f"{strategy}.db"],
+                                   cwd=home, env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True,
+                                   text=True, timeout=120)
+            assert shown.returncode == 0, shown.stderr
+            done[strategy] = json.loads(shown.stdout), step_rows(home / f"{strategy}.db", 1)
+        return done[strategy]
+
+    return reference
+
+
 # ---------------------------------------------------------------------------- kill and restart
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_worker_killed_at_a_random_step_restarts_to_bit_identical_parameters(strategy, tmp_path):
-    steps = 40
-    # momentum: the optimizer has state a restart must bring back
-    common = [*STRATEGIES[strategy], "--steps", str(steps), "--seed", "3", "--quiet", *SLOW_LINK,
-              "--set", "workload.momentum=0.9"]
+def test_worker_killed_at_a_random_step_restarts_to_bit_identical_parameters(strategy, tmp_path, uninterrupted):
+    steps = STEPS
+    common = [*STRATEGIES[strategy], *COMMON]
     kill_at = random.Random().randrange(12, 30)
     print(f"killing rank 1 of {strategy} once it has done {kill_at} steps")
 
@@ -132,18 +159,15 @@ def test_worker_killed_at_a_random_step_restarts_to_bit_identical_parameters(str
     code, _, err = finish(proc, 300)
     assert code == 0, err
 
-    reference = start(tmp_path, "run", *common)  # the same experiment, never interrupted
-    code, _, err = finish(reference, 240)
-    assert code == 0, err
-
-    restarted, uninterrupted = summary(tmp_path, 1), summary(tmp_path, 2)
+    reference, reference_rows = uninterrupted(strategy)  # the same experiment, never interrupted
+    restarted = summary(tmp_path, 1)
     assert restarted["run"]["status"] == "finished" and restarted["restarts"] == 1
-    assert uninterrupted["restarts"] == 0
+    assert reference["restarts"] == 0 and reference["run"]["strategy"] == strategy
     assert restarted["final_params_sha256"] and len(restarted["final_params_sha256"]) == 64
-    assert restarted["final_params_sha256"] == uninterrupted["final_params_sha256"]
+    assert restarted["final_params_sha256"] == reference["final_params_sha256"]
     # Rows: exactly once per (rank, step), and each step's loss the uninterrupted run's, bit for bit.
     db = tmp_path / "ddlscope.db"
-    assert step_rows(db, 1) == step_rows(db, 2)
+    assert step_rows(db, 1) == reference_rows
     assert len(step_rows(db, 1)) == 2 * steps
     with sqlite3.connect(db) as conn:
         kinds = [k for (k,) in conn.execute("SELECT kind FROM events WHERE run_id=1 AND rank=0")]
@@ -184,9 +208,10 @@ def test_a_stopped_rank_ends_the_run_within_the_watchdog_timeout(tmp_path):
 # ---------------------------------------------------------------------------- signals and --resume
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "Ctrl-C to the process group"])
-def test_interrupted_run_stops_fast_keeps_its_rows_and_resumes_to_the_uninterrupted_result(how, tmp_path):
-    steps = 40
-    common = ["--strategy", "ddp", "--world-size", "2", "--steps", str(steps), "--seed", "5", "--quiet", *SLOW_LINK]
+def test_interrupted_run_stops_fast_keeps_its_rows_and_resumes_to_the_uninterrupted_result(how, tmp_path,
+                                                                                          uninterrupted):
+    steps = STEPS
+    common = [*STRATEGIES["ddp"], *COMMON]
     proc = start(tmp_path, "run", *common, "--checkpoint-every", "10")
     wait_until(lambda: len(sealed_checkpoints(run_dir(tmp_path))) >= 1 and steps_done(run_dir(tmp_path), 0) >= 15,
                240, "a checkpoint and 15 steps")
@@ -213,13 +238,11 @@ def test_interrupted_run_stops_fast_keeps_its_rows_and_resumes_to_the_uninterrup
     resumed = start(tmp_path, "run", "--resume", "1", "--quiet")
     code, _, err = finish(resumed, 240)
     assert code == 0, err
-    reference = start(tmp_path, "run", *common)
-    code, _, err = finish(reference, 240)
-    assert code == 0, err
-    assert step_rows(db, 1) == step_rows(db, 2) and len(step_rows(db, 1)) == 2 * steps
-    first, second = summary(tmp_path, 1), summary(tmp_path, 2)
+    reference, reference_rows = uninterrupted("ddp")  # the same experiment, never interrupted
+    assert step_rows(db, 1) == reference_rows and len(step_rows(db, 1)) == 2 * steps
+    first = summary(tmp_path, 1)
     assert first["run"]["status"] == "finished" and first["restarts"] == 1
-    assert first["final_params_sha256"] == second["final_params_sha256"]
+    assert first["final_params_sha256"] and first["final_params_sha256"] == reference["final_params_sha256"]
 
 
 def test_resume_refuses_a_finished_run_and_other_input(tmp_path, cli):
