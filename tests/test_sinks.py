@@ -240,8 +240,8 @@ def test_attach_feeds_the_sinks_from_rank_0s_meter(tmp_path: Path, monkeypatch) 
 def test_a_two_rank_run_logs_rank_0s_steps_to_tensorboard(cli, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    result = cli("run", "--world-size", "2", "--steps", "4", "--log", "tensorboard", "--name", "tb", "--json",
-                 timeout_s=200)
+    result = cli("run", "--world-size", "2", "--steps", "4", "--batch-size", "16", "--log", "tensorboard", "--name", "tb",
+                 "--json", timeout_s=200)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     (folder,) = (tmp_path / "ddlscope-logs" / "tensorboard").iterdir()
@@ -255,8 +255,8 @@ def test_a_two_rank_run_logs_rank_0s_steps_to_tensorboard(cli, tmp_path: Path) -
         assert sum({e.step: e.value for e in events.Scalars(f"time/{p}")}[step] for p in parts) == \
             pytest.approx(total, rel=1e-4)
     throughput = {e.step: e.value for e in events.Scalars("throughput/samples_per_s")}
-    batch = summary["run"]["config"]["workload"]["batch_size"]  # global: 2 ranks x their half
-    assert throughput == pytest.approx({s: batch / v for s, v in step_s.items()}, rel=1e-4)
+    # 16 samples a step over both ranks: rank 0's 8 times 2 ranks, over rank 0's step time
+    assert throughput == pytest.approx({s: 16 / v for s, v in step_s.items()}, rel=1e-4)
     mfu = {e.step: e.value for e in events.Scalars("utilization/mfu")}
     assert set(mfu) == set(step_s) and all(0 < v < 1 for v in mfu.values())
     assert events.Scalars("memory/parameters_bytes")[0].value > 0

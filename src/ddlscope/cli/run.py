@@ -20,6 +20,12 @@ from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, check_
 from ddlscope.specs import is_baseline
 from ddlscope.store import Run, Store, StoreError
 
+LogOption = Annotated[Optional[str], typer.Option(
+    "--log", metavar="SINKS", help="Also write each step's breakdown, throughput and MFU, and memory by category, to "
+    "tensorboard, mlflow and/or wandb (comma-separated): event files, a local MLflow file store, a W&B offline run; "
+    "nothing leaves this machine.")]
+LogDirOption = Annotated[Optional[Path], typer.Option(
+    "--log-dir", help="Where --log writes (default: ddlscope-logs beside the store).")]
 EXPORT_FORMATS = ("csv", "json", "parquet")
 EXPORT_TABLES = ("steps", "evals", "memory", "events")
 
@@ -50,6 +56,8 @@ def run(
                                                         "times when one dies.")] = None,
     resume: Annotated[Optional[str], typer.Option(metavar="RUN", help="Continue an interrupted or failed run from "
                                                   "its newest checkpoint (its stored experiment; no other input).")] = None,
+    log: LogOption = None,
+    log_dir: LogDirOption = None,
 ) -> None:
     """Run one experiment: start the ranks, train, record every rank and step, print a summary."""
     from ddlscope.runtime.config import load_experiment, parse_override
@@ -62,7 +70,8 @@ def run(
                  if value is not None]
         if given:
             raise UserError(f"--resume continues the stored experiment as it was; drop {', '.join(given)}")
-        _run_and_report(*_resumable(resume, db), db, quiet, as_json)
+        sinks = _choose_sinks(log, log_dir, db)
+        _run_and_report(*_resumable(resume, db), db, quiet, as_json, sinks)
         return
     overrides: dict[str, Any] = {}
     for key, value in (("workload.name", workload), ("strategy.name", strategy), ("workload.steps", steps),
@@ -89,7 +98,7 @@ def run(
         raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
     check_run_outputs(exp)  # a missing folder fails now, not after the last step
     check_local_ranks(exp)
-    _run_and_report(exp, None, db, quiet, as_json)
+    _run_and_report(exp, None, db, quiet, as_json, _choose_sinks(log, log_dir, db))
 
 
 # ---------------------------------------------------------------------------- launch
@@ -107,6 +116,8 @@ def launch(
     as_json: Annotated[bool, json_option("Print the summary as one JSON object (the script's own output goes "
                                          "to standard error).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    log: LogOption = None,
+    log_dir: LogDirOption = None,
 ) -> None:
     """Run your own training script as torchrun would, with ddlscope's watchdog and store.
 
@@ -119,26 +130,42 @@ def launch(
     check_script(script)
     if db.parent and not db.resolve().parent.exists():
         raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
+    sinks = _choose_sinks(log, log_dir, db)
     show_progress = not quiet and not as_json and console.is_terminal
     with _progress(None, enabled=show_progress) as on_progress:
         result = launch_script(script, script_args or [], nproc, db, name=name, hang_timeout_s=hang_timeout,
-                               max_restarts=max_restarts, on_progress=on_progress, output_to_stderr=as_json)
-    _report_stored(db, result.run_id, as_json)
+                               max_restarts=max_restarts, on_progress=on_progress, output_to_stderr=as_json,
+                               sinks=sinks)
+    _report_stored(db, result.run_id, as_json, result.logs, result.log_errors)
     if result.status != "finished":
         err_console.print(f"run {result.run_id} {result.status}: {result.error}", markup=False, highlight=False,
                           soft_wrap=True)
         raise typer.Exit(130 if result.status == "interrupted" else 1)
 
 
-def _report_stored(db: Path, run_id: int, as_json: bool) -> None:
+def _report_stored(db: Path, run_id: int, as_json: bool, logs: dict[str, str] | None = None,
+                   log_errors: list[str] | None = None) -> None:
+    """The stored run's summary; with --log, where each sink wrote (and any sink that failed)."""
     from ddlscope.analysis.summary import summarize
 
     with Store(db) as store:
         summary = summarize(store, store.get_run(run_id))
     if as_json:
-        print(json.dumps(summary.to_dict(), default=str))
-    else:
-        _print_summary(summary)
+        extra = {"logs": logs, **({"log_errors": log_errors} if log_errors else {})} if logs or log_errors else {}
+        print(json.dumps({**summary.to_dict(), **extra}, default=str))
+        return
+    _print_summary(summary)
+    for sink, where in (logs or {}).items():
+        console.print(f"logged to {sink}: {where}", markup=False, highlight=False, soft_wrap=True)
+    for note in log_errors or []:
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _choose_sinks(log: Optional[str], log_dir: Optional[Path], db: Path) -> Any:
+    """--log and --log-dir, checked before anything starts (runtime/sinks.py; ConfigError in one line)."""
+    from ddlscope.runtime.sinks import choose_sinks
+
+    return choose_sinks(log, log_dir, db)
 
 
 def _resumable(ref: str, db: Path) -> tuple[Any, Run]:
@@ -155,18 +182,18 @@ def _resumable(ref: str, db: Path) -> tuple[Any, Run]:
     return experiment_from_dict(run_.config), run_
 
 
-def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json: bool) -> None:
+def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json: bool, sinks: Any = None) -> None:
     from ddlscope.runtime.launcher import launch
 
     show_progress = not quiet and not as_json and console.is_terminal
     with _progress(exp.workload.steps, enabled=show_progress) as on_progress:
-        result = launch(exp, db, on_progress=on_progress, resume=resume)
+        result = launch(exp, db, on_progress=on_progress, resume=resume, sinks=sinks)
 
     if result.run_id is None:
         console.print(f"node {exp.cluster.node_rank}: {result.status}; this node's ranks sent their rows to node 0's store",
                       markup=False, highlight=False)
         raise typer.Exit(0 if result.status == "finished" else 1)
-    _report_stored(db, result.run_id, as_json)
+    _report_stored(db, result.run_id, as_json, result.logs, result.log_errors)
     if result.status != "finished":
         err_console.print(f"run {result.run_id} {result.status}: {result.error}  (worker logs: {result.run_dir / 'logs'})",
                           markup=False, highlight=False, soft_wrap=True)
