@@ -51,7 +51,8 @@ def valid(data: dict[str, Any]) -> PredictionInput:
      "parallel.fused_grad_accumulation = 3: must be true or false"),
     ({"model": GPT, "spot": "yes"}, (), "spot = 'yes': must be true or false"),
     # what is missing is named as a flag and as the file's key
-    ({}, (), "missing --hidden (or model.hidden in the config file)"),
+    ({}, (), "missing --hidden, --heads, --layers, --seq, --vocab, --global-batch (or model.hidden, model.heads, "
+             "model.layers, model.seq, model.vocab, model.global_batch in the config file)"),
     ({"model": {k: v for k, v in GPT.items() if k != "vocab"}}, (), "missing --vocab (or model.vocab in the config file)"),
     ({"model": {"name": "resnet50"}}, (), "missing --global-batch (or model.global_batch in the config file)"),
     # a misspelt key is named before the field it leaves missing
@@ -79,9 +80,12 @@ def test_bad_input_is_one_line_naming_where_it_came_from(data, flags, message) -
     assert refusal(data, flags) == message
 
 
-def test_a_missing_cluster_is_named_first() -> None:
-    with pytest.raises(ConfigError, match=r"^missing --cluster \(or cluster in the config file\)$"):
+def test_everything_missing_is_named_in_one_line_the_cluster_first() -> None:
+    with pytest.raises(ConfigError, match=r"^missing --cluster, --hidden, --heads, --layers, --seq, --vocab, "
+                                          r"--global-batch \(or cluster, model.hidden, .* in the config file\)$"):
         read_input(PredictionInput, {})
+    with pytest.raises(ConfigError, match=r"^missing --cluster \(or cluster in the config file\)$"):
+        read_input(PredictionInput, {"model": GPT})
 
 
 def test_a_gpt_becomes_the_predictors_model_with_its_defaults() -> None:

@@ -65,7 +65,7 @@ from ddlscope.store import Store
 ConfigArg = Annotated[Optional[Path], typer.Argument(
     help="TOML file with cluster, \\[model] and \\[parallel]; flags override it.")]
 ClusterOpt = Annotated[Optional[str], typer.Option(
-    "--cluster", help="NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
+    "--cluster", help="(required) NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
                       "as `ddlscope calibrate` measured it.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", help="gpt (default; --hidden, --heads, ...), a CNN: resnet50, vgg16, densenet121, a "
@@ -75,12 +75,12 @@ ImageSizeOpt = Annotated[Optional[int], typer.Option(
     "--image-size", help="CNN input size: 224 (ImageNet network) or 32 (CIFAR variant); any size for a "
                          "torchvision/timm/module model (default 224).")]
 ClassesOpt = Annotated[Optional[int], typer.Option("--classes", help="CNN output classes (default 1000).")]
-HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="Hidden size h.")]
-HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="Attention heads a.")]
-LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="Transformer layers l.")]
-SeqOpt = Annotated[Optional[int], typer.Option("--seq", help="Sequence length s.")]
-VocabOpt = Annotated[Optional[int], typer.Option("--vocab", help="Vocabulary size V.")]
-GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="Sequences per optimizer step.")]
+HiddenOpt = Annotated[Optional[int], typer.Option("--hidden", help="(required for gpt and hf: models) Hidden size h.")]
+HeadsOpt = Annotated[Optional[int], typer.Option("--heads", help="(required for gpt and hf: models) Attention heads a.")]
+LayersOpt = Annotated[Optional[int], typer.Option("--layers", help="(required for gpt and hf: models) Transformer layers l.")]
+SeqOpt = Annotated[Optional[int], typer.Option("--seq", help="(required for gpt and hf: models) Sequence length s.")]
+VocabOpt = Annotated[Optional[int], typer.Option("--vocab", help="(required for gpt and hf: models) Vocabulary size V.")]
+GlobalBatchOpt = Annotated[Optional[int], typer.Option("--global-batch", help="(required) Sequences (or images) per optimizer step.")]
 AttentionOpt = Annotated[Optional[str], typer.Option("--attention", help="flash (fused kernel) or unfused.")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="bf16, fp16 or fp32.")]
 FfnOpt = Annotated[Optional[int], typer.Option("--ffn-hidden", help="MLP width (default 4 x hidden).")]

@@ -107,9 +107,10 @@ class ModelInput(_Input):
             self._refuse_keys(CNN_ONLY_KEYS, f" is for a CNN model ({', '.join(CNN_MODELS)})")
         else:
             self._check_cnn()
-        for key in (REQUIRED_GPT_KEYS if not self.is_cnn else ("global_batch",)):
-            if getattr(self, key) is None:
-                raise PydanticCustomError("missing", "Field required", {"field": key})
+        missing = [key for key in (REQUIRED_GPT_KEYS if not self.is_cnn else ("global_batch",))
+                   if getattr(self, key) is None]
+        if missing:
+            raise PydanticCustomError("missing", "Field required", {"field": missing[0], "fields": ",".join(missing)})
         return self
 
     def _refuse_keys(self, keys: Sequence[str], why: str) -> None:
@@ -264,8 +265,9 @@ def describe_input_error(err: ValidationError, spec_class: type[BaseModel], flag
     label = _flag(key) if key in flags else key
     if kind == "refused":
         return ctx["message"]
-    if kind == "missing":
-        return f"missing {_flag(key)} (or {key} in the config file)"
+    if kind == "missing":  # every missing key at once: a user should not learn them one run at a time
+        keys = [key for e in errors if e["type"] == "missing" for key in _missing_keys(e)]
+        return f"missing {', '.join(_flag(k) for k in keys)} (or {', '.join(keys)} in the config file)"
     if kind == "extra_forbidden":
         allowed = _model_at(spec_class, loc[:-1])
         return f"{key} = {value!r}: unknown field; allowed: {', '.join(allowed.model_fields) if allowed else '-'}"
@@ -281,6 +283,13 @@ def describe_input_error(err: ValidationError, spec_class: type[BaseModel], flag
     if kind in _RULES:
         return f"{label} = {value!r}: {_RULES[kind]}"
     return describe_validation_error(err)
+
+
+def _missing_keys(error: Any) -> list[str]:
+    """The dotted keys one `missing` error names (a model validator names several in its context)."""
+    loc = tuple(str(p) for p in error["loc"])
+    ctx = error.get("ctx") or {}
+    return [".".join((*loc, name)) for name in ctx["fields"].split(",")] if "fields" in ctx else [".".join(loc)]
 
 
 def _flag(key: str) -> str:
