@@ -4,6 +4,7 @@ typer app in this process (fast), a few a real `ddlscope` process, as a user wou
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -220,6 +221,13 @@ CASES: dict[str, tuple[list[str], str]] = {
     "report-missing-folder": (["report", "1", "-o", "missing/r.html", "--db", "s.db"], "missing"),
     "report-output-is-folder": (["report", "1", "-o", "dir.db", "--db", "s.db"], "dir.db"),
     "report-no-store": (["report", "1"], "no store"),
+    # ---- import-trace (traces-* folders: see _make_traces)
+    "import-trace-missing-folder": (["import-trace", "nope", "--db", "s.db"], "nope"),
+    "import-trace-no-traces": (["import-trace", "dir.db", "--db", "s.db"], "no trace files"),
+    "import-trace-not-json": (["import-trace", "traces-garbage", "--db", "s.db"], "not JSON"),
+    "import-trace-rank-twice": (["import-trace", "traces-twice", "--db", "s.db"], "rank 0"),
+    "import-trace-world-sizes-disagree": (["import-trace", "traces-worlds", "--db", "s.db"], "world sizes"),
+    "import-trace-rank-missing": (["import-trace", "traces-gap", "--db", "s.db"], "rank 1"),
     # ---- study / sweep
     "study-unknown": (["study", "nope"], "'nope'"),
     "study-repeats-zero": (["study", "paper", "--quick", "--repeats", "0"], "--repeats"),
@@ -330,6 +338,23 @@ def _make_store(db: Path) -> None:
             store.mark_done(run_id, "finished", error="[red]boom[/]" if name == "[/]" else None)
 
 
+def _make_traces(root: Path) -> None:
+    """Trace folders import-trace refuses: a file that is not JSON, two files of rank 0, world sizes that
+    disagree, and rank 1 of 3 missing."""
+    def trace(rank: int, world: int) -> str:
+        return json.dumps({"distributedInfo": {"rank": rank, "world_size": world}, "traceEvents": [
+            {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0, "dur": 9}]})
+
+    folders = {"traces-garbage": {"rank0.json": trace(0, 2), "rank1.json": "{\"traceEvents\": [oops"},
+               "traces-twice": {"a.json": trace(0, 2), "b.json": trace(0, 2)},
+               "traces-worlds": {"a.json": trace(0, 2), "b.json": trace(1, 4)},
+               "traces-gap": {"a.json": trace(0, 3), "c.json": trace(2, 3)}}
+    for folder, files in folders.items():
+        (root / folder).mkdir()
+        for name, text in files.items():
+            (root / folder / name).write_text(text)
+
+
 @pytest.fixture
 def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "ok.toml").write_text('[workload]\nname = "mlp-digits"\n')
@@ -344,6 +369,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "garbage.db").write_bytes(b"not a database, just bytes " * 100)
     (tmp_path / "dir.db").mkdir()
     _make_store(tmp_path / "s.db")
+    _make_traces(tmp_path)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -12,6 +12,7 @@ as they are shifted; a rank's trace is itself read a block and an event at a tim
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -171,9 +172,11 @@ class _Reader:
             return value
 
 
-def iter_trace_events(path: Path) -> Iterator[Any]:
-    """The events of a chrome trace - `{"traceEvents": [...], ...}` or a bare list - one at a time."""
-    with open(path, encoding="utf-8") as f:
+def iter_trace_events(path: Path, header: dict[str, Any] | None = None) -> Iterator[Any]:
+    """The events of a chrome trace - `{"traceEvents": [...], ...}` or a bare list - one at a time; a
+    `.gz` file is read through gzip. `header`, when given, receives the trace's other top-level keys
+    (distributedInfo, deviceProperties, ...) as they are read."""
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
         reader = _Reader(f)
         if reader.peek() == "[":
             yield from _array(reader)
@@ -184,6 +187,8 @@ def iter_trace_events(path: Path) -> Iterator[Any]:
             reader.expect(":")
             if key == "traceEvents" and reader.peek() == "[":
                 yield from _array(reader)
+            elif header is not None:
+                header[key] = reader.value()
             else:
                 reader.value()  # another key's value (schemaVersion, deviceProperties, ...): skipped
             if reader.peek() == ",":

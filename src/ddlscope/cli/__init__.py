@@ -12,7 +12,8 @@ from typing import Any
 
 import typer
 
-from ddlscope.cli import advise, buckets, calibrate, catalogue, memory, partition, predict, report, run, slurm, study
+from ddlscope.cli import (advise, buckets, calibrate, catalogue, memory, partition, predict, report, run, slurm,
+                          study, traces)
 from ddlscope.cli.common import run_app
 
 __all__ = ["COMMANDS", "app", "main"]
@@ -32,6 +33,7 @@ COMMANDS: tuple[tuple[str, Callable[..., Any]], ...] = (
     ("show", run.show),
     ("export", run.export),
     ("trace", run.trace),
+    ("import-trace", traces.import_trace),
     ("study", study.study),
     ("studies", study.studies),
     ("sweep", study.sweep),
