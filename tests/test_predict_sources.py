@@ -118,3 +118,21 @@ def test_transformers_is_kept_from_importing_torchvision_which_still_imports_aft
              "print(import_torchvision().models.resnet18(num_classes=3).fc.out_features)\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.split() == ["False", "2", "3"]
+
+
+def test_a_mixture_of_experts_decoder_is_priced_with_its_experts(capsys) -> None:
+    # Mixtral's config names 8 experts, 2 per token: the step model's parameters are the model's own
+    from ddlscope.workloads.sources import HFSpec, hf_model
+
+    sizes = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 96, "vocab": 100, "seq_len": 32}
+    out = predicted(capsys, "--model", "hf:mixtral", "--hidden", "64", "--layers", "2", "--heads", "4",
+                    "--kv-heads", "2", "--ffn-hidden", "96", "--vocab", "100", "--seq", "32", "--global-batch", "8",
+                    "--cluster", "h100:1x8", "--ep", "8")
+    import torch
+
+    with torch.device("meta"):
+        built = hf_model(HFSpec(name="hf:mixtral", **sizes))
+    assert out["model"]["experts"] == 8 and out["model"]["top_k"] == 2 and out["model"]["gated_mlp"]
+    # within 2%: the step model's layer has GPT's biases and LayerNorms, Mixtral's none and RMSNorms; one
+    # expert instead of 8 would be 1.8x off at these sizes
+    assert out["parameters"] == pytest.approx(sum(p.numel() for p in built.parameters()), rel=0.02)

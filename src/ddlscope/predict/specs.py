@@ -131,7 +131,7 @@ class ModelSpec:
 
 
 DECODER_SHAPE = ("hidden", "heads", "layers", "seq", "vocab", "kv_heads", "ffn_hidden", "tied_embeddings",
-                 "learned_positions")
+                 "learned_positions", "experts", "top_k")
 
 
 def decoder_model_spec(facts: Mapping[str, Any], **knobs: Any) -> ModelSpec:

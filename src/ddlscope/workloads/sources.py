@@ -513,6 +513,9 @@ def hf_decoder_facts(spec: HFSpec) -> dict[str, Any]:
             "ffn_hidden": spec.intermediate if spec.intermediate is not None else 4 * spec.hidden,
             "tied_embeddings": bool(getattr(config, "tie_word_embeddings", True)),
             "learned_positions": bool(position_tables),
+            # A mixture of experts (Mixtral, Qwen-MoE, ...): its configs name the experts in one of two ways.
+            "experts": int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0),
+            "top_k": int(getattr(config, "num_experts_per_tok", None) or 2),
             "layer_params": layer_params,
             "params": sum(p.numel() for p in model.parameters()) + (spec.layers - 1) * (layer_params or 0)}
 
