@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,12 @@ CASES: dict[str, tuple[list[str], str]] = {
     "launch-script-is-folder": (["launch", "dir.db"], "dir.db: not a file"),
     "launch-not-python": (["launch", "ok.toml"], "ok.toml: not a Python script"),
     "launch-zero-procs": (["launch", "--nproc", "0", "ok.toml"], "--nproc"),
+    # ---- run / launch --log: sinks (runtime/sinks.py), checked before any process starts
+    "run-log-unknown-sink": (["run", "--log", "tensorboard,comet"], "--log = 'comet'"),
+    "run-log-library-missing": (["run", "--log", "wandb"], "pip install wandb"),  # HIDDEN_PACKAGES hides it
+    "run-log-dir-missing-parent": (["run", "--log", "tensorboard", "--log-dir", "missing/logs"], "--log-dir missing/logs"),
+    "run-log-dir-without-log": (["run", "--log-dir", "logs"], "--log-dir logs"),
+    "launch-log-unknown-sink": (["launch", "--log", "comet", "script.py"], "--log = 'comet'"),
     "memory-world-size-zero": (["memory", "torchvision:resnet18", "--world-size", "0"],
                              "--world-size = 0"),
     "memory-world-size-disagrees": (["memory", "torchvision:resnet18", "--cluster", "h100:1x8", "--world-size", "4"],
@@ -320,6 +327,10 @@ CASES: dict[str, tuple[list[str], str]] = {
 }
 
 
+# Cases that need a package to be missing: it is hidden from imports (sys.modules[name] = None) for the case.
+HIDDEN_PACKAGES = {"run-log-library-missing": "wandb"}
+
+
 def _make_store(db: Path) -> None:
     """Runs 1 (`two`), 2 (`[/]`), 3 (`[bold]x`) and 4 (a script tag): three steps of two ranks each."""
     with Store(db) as store:
@@ -368,6 +379,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "garbage.json").write_bytes(b"\x00\x01garbage{")
     (tmp_path / "garbage.db").write_bytes(b"not a database, just bytes " * 100)
     (tmp_path / "dir.db").mkdir()
+    (tmp_path / "script.py").write_text("raise SystemExit('a bad-input case ran the script')\n")
     _make_store(tmp_path / "s.db")
     _make_traces(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -384,8 +396,10 @@ def _runs(db: Path) -> int:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_input(case: str, workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     argv, names = CASES[case]
+    if case in HIDDEN_PACKAGES:
+        monkeypatch.setitem(sys.modules, HIDDEN_PACKAGES[case], None)
     before = _listing(workdir)
     rc = main(argv)
     out, err = capsys.readouterr()
