@@ -117,20 +117,23 @@ def no_process_left(pids: list[int]) -> bool:
 # ---------------------------------------------------------------------------- uninterrupted references
 STEPS = 40
 # momentum: the optimizer has state a restart or a resume must bring back
-COMMON = ["--steps", str(STEPS), "--seed", "3", "--quiet", *SLOW_LINK, "--set", "workload.momentum=0.9"]
+EXPERIMENT = ["--steps", str(STEPS), "--seed", "3", "--quiet", "--set", "workload.momentum=0.9"]
+COMMON = [*EXPERIMENT, *SLOW_LINK]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The uninterrupted run of each strategy's experiment, made once (in its own folder and store) for
     every test that compares a killed, restarted or resumed run with it: a reference(strategy) call runs
-    it the first time and returns its summary and its (rank, step) -> loss rows."""
+    it the first time and returns its summary and its (rank, step) -> loss rows. It runs on the local
+    link: the emulated latency only delays messages, so the parameters and losses must come out the same
+    bits (nothing here needs the reference to last)."""
     home = tmp_path_factory.mktemp("uninterrupted")
     done: dict[str, tuple[dict, dict]] = {}
 
     def reference(strategy: str) -> tuple[dict, dict]:
         if strategy not in done:
-            code, _, err = finish(start(home, "run", *STRATEGIES[strategy], *COMMON, "--db", f"{strategy}.db"), 240)
+            code, _, err = finish(start(home, "run", *STRATEGIES[strategy], *EXPERIMENT, "--db", f"{strategy}.db"), 240)
             assert code == 0, err
             shown = subprocess.run([sys.executable, "-m", "ddlscope", "show", "1", "--json", "--db", f"{strategy}.db"],
                                    cwd=home, env={**os.environ, "PYTHONPATH": str(SRC)}, capture_output=True,
