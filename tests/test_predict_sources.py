@@ -136,3 +136,18 @@ def test_a_mixture_of_experts_decoder_is_priced_with_its_experts(capsys) -> None
     # within 2%: the step model's layer has GPT's biases and LayerNorms, Mixtral's none and RMSNorms; one
     # expert instead of 8 would be 1.8x off at these sizes
     assert out["parameters"] == pytest.approx(sum(p.numel() for p in built.parameters()), rel=0.02)
+
+
+def test_a_well_known_model_by_name_is_its_published_shape(capsys) -> None:
+    common = ["--cluster", "h100:8x8", "--global-batch", "512", "--tp", "2"]
+    preset = predicted(capsys, "--model", "llama3-8b", *common)
+    explicit = predicted(capsys, "--model", "hf:llama", *LLAMA_8B, *common)
+    assert preset["step_time_s"] == explicit["step_time_s"] and preset["parameters"] == explicit["parameters"]
+    assert preset["preset"]["name"] == "llama3-8b" and "Llama 3 Herd" in preset["preset"]["source"]
+    assert "preset" not in explicit
+    assert predicted(capsys, "--model", "llama3-8b", "--layers", "2", *common)["model"]["layers"] == 2  # flags win
+    # published totals: GPT-3 175B, Mixtral 8x7B 46.7B, Llama 3.1 405B (the step model has GPT's biases: 0.5%)
+    for name, published, extra in (("gpt3-175b", 175e9, ["--pp", "8"]), ("mixtral-8x7b", 46.7e9, ["--pp", "8", "--ep", "8"]),
+                                   ("llama3.1-405b", 405e9, ["--pp", "9", "--dp", "7"])):
+        out = predicted(capsys, "--model", name, "--cluster", "h100:64x8", "--global-batch", "1008", "--tp", "8", *extra)
+        assert out["parameters"] == pytest.approx(published, rel=0.005), name

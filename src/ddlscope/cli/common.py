@@ -23,9 +23,10 @@ __all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "check
            "json_option", "max_ranks_per_node", "open_store", "print_error", "require_store", "run_app",
            "wide_when_piped"]
 
-# The CLI's two consoles: results on stdout, notes and errors on stderr.
-console = Console()
-err_console = Console(stderr=True)
+# The CLI's two consoles: results on stdout, notes and errors on stderr. No emoji codes: a model named
+# hf:llama printed as "hf:llama: ..." would otherwise show a llama.
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 
 # ---------------------------------------------------------------------------- shared options

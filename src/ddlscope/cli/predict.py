@@ -68,7 +68,8 @@ ClusterOpt = Annotated[Optional[str], typer.Option(
     "--cluster", help="(required) NAME:NODESxGPUS_PER_NODE, e.g. a100-80gb:64x8; local:1xN is N ranks of this machine "
                       "as `ddlscope calibrate` measured it.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", help="gpt (default; --hidden, --heads, ...), a CNN: resnet50, vgg16, densenet121, a "
+    "--model", help="gpt (default; --hidden, --heads, ...), a well-known model by name (llama3-8b, llama3-70b, "
+                    "mixtral-8x7b, gpt3-175b, ...: predict/models.toml), a CNN: resnet50, vgg16, densenet121, a "
                     "transformers decoder hf:ARCH (hf:llama, with --hidden, --heads, ...), or an image model "
                     "torchvision:NAME, timm:NAME, module:PKG.MOD:FACTORY (--image-size, --classes).")]
 ImageSizeOpt = Annotated[Optional[int], typer.Option(
@@ -197,12 +198,16 @@ def predict_command(
     if as_json:
         out = result.to_dict()
         out["parameters"] = step_model.params
+        if spec.model.preset:
+            out["preset"] = {"name": spec.model.preset, "source": _preset_source(spec.model.preset)}
         out["sustained_fraction"] = fitted["sustained_fraction"] if fitted else \
             the_cluster.device.efficiency.sustained_fraction
         if fitted:
             out["fitted_to_step_s"] = measured_step_s
         print(json.dumps(out))
         return
+    if spec.model.preset:
+        console.print(f"{spec.model.preset}: {_preset_source(spec.model.preset)}", markup=False, highlight=False)
     _print_prediction(result, parallel.label(), use_spot)
     if fitted:
         console.print(f"sustained_fraction {fitted['sustained_fraction']:.4f} reproduces the measured "
@@ -323,8 +328,22 @@ def _input(config: Optional[Path], cluster: Optional[str], spot: Optional[bool],
     """The config file's tables with the flags given laid over them, validated once (specs/prediction.py)."""
     flags = {"cluster": cluster, "spot": spot, "sustained_fraction": sustained_fraction, "model": model,
              "parallel": parallel}
+    from ddlscope.predict.presets import expand_preset, model_presets
+
     data, given = _with_flags(_read_config(config), flags)
-    return read_input(PredictionInput, data, given, vision_workloads=_vision_workloads)
+    preset = None
+    if isinstance(data.get("model"), dict):
+        preset = data["model"].get("name") if data["model"].get("name") in model_presets() else None
+        data["model"] = expand_preset(data["model"])
+    spec = read_input(PredictionInput, data, given, vision_workloads=_vision_workloads, presets=tuple(model_presets()))
+    spec.model.from_preset(preset)
+    return spec
+
+
+def _preset_source(name: str) -> str:
+    from ddlscope.predict.presets import model_presets
+
+    return str(model_presets()[name]["source"])
 
 
 def _with_flags(raw: dict[str, Any], flags: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:

@@ -138,7 +138,7 @@ def decoder_model_spec(facts: Mapping[str, Any], **knobs: Any) -> ModelSpec:
     """A transformers decoder as the step model's GPT, from `workloads.sources.hf_decoder_facts`: its shapes
     as read, `knobs` (name, global_batch, ...) as given. Configs name a gated (SwiGLU) MLP in no common
     way, so it is the one of the two MLPs whose layer has the parameters one built layer has."""
-    shape = {k: facts[k] for k in DECODER_SHAPE}
+    shape = {k: facts[k] for k in DECODER_SHAPE if k in facts}  # a dense decoder may leave out experts, top_k
     plain, gated = (ModelSpec(**shape, gated_mlp=g, **knobs) for g in (False, True))
     if not facts.get("layer_params"):  # no layer found to count: the plain MLP, as GPT-2 has
         return plain

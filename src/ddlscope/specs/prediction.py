@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, \
-    model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from ddlscope.specs.base import ConfigError, Spec, describe_validation_error
@@ -57,6 +57,7 @@ class ModelInput(_Input):
     `torchvision:NAME`, `timm:NAME`, `module:PKG.MOD:FACTORY`."""
 
     name: str = "gpt"
+    _preset: str | None = PrivateAttr(None)  # the well-known model the sizes came from (predict/models.toml)
     hidden: Size | None = None
     heads: Size | None = None
     layers: Size | None = None
@@ -84,9 +85,20 @@ class ModelInput(_Input):
         # Registered vision workloads import torch to list; the CLI passes them as a callable, asked only here.
         workloads = tuple((info.context or {}).get("vision_workloads", tuple)())
         if name not in workloads:
-            rest = f", or a vision workload: {', '.join(workloads)}" if workloads else ""
+            presets = tuple((info.context or {}).get("presets", ()))
+            rest = f", a preset: {', '.join(presets)}" if presets else ""
+            rest += f", or a vision workload: {', '.join(workloads)}" if workloads else ""
             raise _bad(f"allowed: {', '.join(MODELS)}{rest}")
         return name
+
+    @property
+    def preset(self) -> str | None:
+        return self._preset
+
+    def from_preset(self, name: str | None) -> "ModelInput":
+        """This model, noted as the preset `name` whose sizes it holds (None: given by its sizes)."""
+        self._preset = name
+        return self
 
     @property
     def kind(self) -> Literal["gpt", "hf", "cnn", "source", "workload"]:
@@ -225,11 +237,12 @@ class PlanSearch(_Input):
 
 
 def read_input(spec_class: type[_Input], data: dict[str, Any], flags: Collection[str] = (),
-               vision_workloads: Callable[[], Sequence[str]] | None = None) -> Any:
+               vision_workloads: Callable[[], Sequence[str]] | None = None, presets: Sequence[str] = ()) -> Any:
     """`data` as `spec_class`, or a ConfigError of one line. `flags`: the dotted keys a flag gave
-    ("model.hidden"), named as flags in a message; `vision_workloads`: the registered workloads a
-    model name may also be, listed only when a name is none of the built-in ones."""
-    context = {"vision_workloads": vision_workloads} if vision_workloads else None
+    ("model.hidden"), named as flags in a message; `vision_workloads` and `presets` (well-known models,
+    which the caller has expanded into their sizes): what else a model name may be, listed only when a
+    name is none of the built-in ones."""
+    context = {"vision_workloads": vision_workloads, "presets": presets} if vision_workloads or presets else None
     try:
         return spec_class.model_validate(data, context=context)
     except ValidationError as err:
