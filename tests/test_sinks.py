@@ -151,7 +151,7 @@ def test_a_failing_sink_is_dropped_with_a_note_and_the_others_go_on(tmp_path: Pa
     class Broken(Backend):
         name = "broken"
 
-        def metrics(self, values: dict[str, float], step: int) -> None:
+        def metrics(self, rows: list[tuple[dict[str, float], int]]) -> None:
             raise OSError("disk full")
 
     class Kept(Backend):
@@ -161,8 +161,8 @@ def test_a_failing_sink_is_dropped_with_a_note_and_the_others_go_on(tmp_path: Pa
             self.steps: list[int] = []
             self.closed = ""
 
-        def metrics(self, values: dict[str, float], step: int) -> None:
-            self.steps.append(step)
+        def metrics(self, rows: list[tuple[dict[str, float], int]]) -> None:
+            self.steps.extend(step for _, step in rows)
 
         def config(self, values: dict[str, Any]) -> None:
             pass

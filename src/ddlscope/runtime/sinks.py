@@ -7,8 +7,10 @@ once a `flops` event has been seen, MFU (model FLOPs per step / step seconds / p
 summary computes it per rank); the `memory` record gives memory by category; `eval` rows the
 evaluation's metric and loss; the `attached` event what an attached job is. Under `run` and `launch`
 the launcher feeds them from the thread that follows rank 0's file (the ranks pay nothing); under
-plain torchrun or python, rank 0's meter feeds them after it writes each row. `record` only queues:
-one thread writes to the backends, and a backend that fails is dropped with a one-line note, never
+plain torchrun or python, rank 0's meter feeds them as it writes each record. `record` only queues:
+the sinks' own thread wakes every FLUSH_S and writes what came in as one batch (one MLflow call, one
+TensorBoard event per step), so a training process shares its interpreter with it briefly, once a
+second, rather than after every step. A backend that fails is dropped with a one-line note, never
 failing the run.
 
 Everything stays on this machine, with no account: TensorBoard event files, an MLflow file store
@@ -48,6 +50,7 @@ SINK_PACKAGES: dict[str, tuple[str, str]] = {
 LOG_ROOT = "ddlscope-logs"  # the default log folder's name, beside the store
 PROJECT = "ddlscope"  # MLflow's experiment and W&B's project
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "step_s")
+FLUSH_S = 1.0  # the sinks' thread writes what was recorded this often (and at close)
 # No account, no network, no usage reports: set in this process (and so its ranks) when a sink opens.
 OFFLINE_ENVIRONMENT = {
     "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
@@ -140,6 +143,7 @@ class Sinks:
         self.places = {b.name: b.where for b in backends}  # sink -> where it wrote (for the summary)
         self._metrics = RecordMetrics(batch_ranks)
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._flush_now = threading.Event()
         self._thread = threading.Thread(target=self._drain, name="ddlscope-sinks", daemon=True)
         self._thread.start()
         self._closed = False
@@ -154,16 +158,39 @@ class Sinks:
         if not self._closed:
             self._closed = True
             self._queue.put(None)
+            self._flush_now.set()
             self._thread.join(timeout_s)
             for backend in list(self.backends):
                 self._call(backend, "close", status)
         return self.errors
 
     def _drain(self) -> None:
-        while (record := self._queue.get()) is not None:
-            for what, args in self._metrics.translate(record):
-                for backend in list(self.backends):
-                    self._call(backend, what, *args)
+        """Every FLUSH_S (at once when closing): what was recorded meanwhile, as batches of calls."""
+        while True:
+            records = [self._queue.get()]
+            self._flush_now.wait(FLUSH_S)
+            while True:
+                try:
+                    records.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            end = records.index(None) if None in records else len(records)
+            self._write(records[:end])  # type: ignore[arg-type]
+            if end < len(records):
+                return
+
+    def _write(self, records: list[dict[str, Any]]) -> None:
+        """The records' calls in order, each run of metrics one call: metrics([(values, step), ...])."""
+        calls: list[tuple[str, Any]] = []
+        for record in records:
+            for what, arg in self._metrics.translate(record):
+                if what == "metrics" and calls and calls[-1][0] == "metrics":
+                    calls[-1][1].append(arg)
+                else:
+                    calls.append((what, [arg] if what == "metrics" else arg))
+        for what, arg in calls:
+            for backend in list(self.backends):
+                self._call(backend, what, arg)
 
     def _call(self, backend: "Backend", what: str, *args: Any) -> None:
         try:
@@ -175,7 +202,7 @@ class Sinks:
 
 
 class RecordMetrics:
-    """Records of rank 0's file -> the sinks' calls: ("metrics", (dict, step)) and ("config", (dict,))."""
+    """Records of rank 0's file -> the sinks' calls: ("metrics", (dict, step)) and ("config", dict)."""
 
     def __init__(self, batch_ranks: int = 1):
         self.batch_ranks = batch_ranks
@@ -183,7 +210,7 @@ class RecordMetrics:
         self.peak_flops_per_s: float | None = None
         self.last_step = 0
 
-    def translate(self, record: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
+    def translate(self, record: dict[str, Any]) -> list[tuple[str, Any]]:
         kind = record.get("kind")
         if kind == "step":
             self.last_step = int(record["step"])
@@ -203,11 +230,10 @@ class RecordMetrics:
             fields = parse_flops_message(str(record.get("message", "")))
             self.model_flops = float(fields["model_flops_per_step"])
             self.peak_flops_per_s = float(fields["peak_flops_per_s"])
-            return [("config", ({"model_flops_per_step": self.model_flops,
-                                 "peak_flops_per_s": self.peak_flops_per_s,
-                                 "peak_source": fields.get("peak_source", "").replace("_", " ")},))]
+            return [("config", {"model_flops_per_step": self.model_flops, "peak_flops_per_s": self.peak_flops_per_s,
+                                "peak_source": fields.get("peak_source", "").replace("_", " ")})]
         if kind == "event" and record.get("event") == "attached":
-            return [("config", (json.loads(record.get("message") or "{}"),))]
+            return [("config", json.loads(record.get("message") or "{}"))]
         return []
 
     def step_metrics(self, row: dict[str, Any]) -> dict[str, float]:
@@ -232,7 +258,8 @@ class Backend:
     name = ""
     where = ""  # where it writes, for the summary
 
-    def metrics(self, values: dict[str, float], step: int) -> None:
+    def metrics(self, rows: list[tuple[dict[str, float], int]]) -> None:
+        """Metric values at their steps, in order."""
         raise NotImplementedError
 
     def config(self, values: dict[str, Any]) -> None:
@@ -243,7 +270,10 @@ class Backend:
 
 
 class TensorBoardSink(Backend):
-    """Event files under log_dir/tensorboard/<run>, one scalar series per metric; the config as text."""
+    """Event files under log_dir/tensorboard/<run>, one scalar series per metric; the config as text.
+
+    A step's scalars go as one event (one summary of all its values): add_scalar makes an event per
+    value, through torch's tensor conversion, about ten times the CPU."""
 
     name = "tensorboard"
 
@@ -256,9 +286,12 @@ class TensorBoardSink(Backend):
         if config:
             self.config(config)
 
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+    def metrics(self, rows: list[tuple[dict[str, float], int]]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        events = self.writer._get_file_writer()
+        for values, step in rows:
+            events.add_summary(Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in values.items()]), step)
 
     def config(self, values: dict[str, Any]) -> None:
         self.writer.add_text("config", "```\n" + json.dumps(values, indent=1, sort_keys=True, default=str) + "\n```")
@@ -296,11 +329,15 @@ class MLflowSink(Backend):
                 raise
             return experiment.experiment_id
 
-    def metrics(self, values: dict[str, float], step: int) -> None:
+    BATCH = 1000  # metrics per log_batch call, MLflow's limit
+
+    def metrics(self, rows: list[tuple[dict[str, float], int]]) -> None:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now_ms, step) for k, v in values.items()])
+        batch = [Metric(k, v, now_ms, step) for values, step in rows for k, v in values.items()]
+        for start in range(0, len(batch), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=batch[start:start + self.BATCH])
 
     def config(self, values: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -330,8 +367,9 @@ class WandbSink(Backend):
                               reinit="create_new", settings=settings)
         self.where = str(Path(self.run.dir).parent)
 
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
+    def metrics(self, rows: list[tuple[dict[str, float], int]]) -> None:
+        for values, step in rows:
+            self.run.log(values, step=step)
 
     def config(self, values: dict[str, Any]) -> None:
         self.run.config.update(values, allow_val_change=True)
