@@ -2,6 +2,7 @@
 runner, and a rerun reuses the cells already in the store."""
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -199,6 +200,30 @@ def _runs(db_rows) -> dict[str, tuple]:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def _terminal_cells(stdout: str) -> dict[str, tuple[float, str]]:
+    """cell -> (samples/s, speedup) as the sweep's terminal table prints them."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["cell", "step", "ms"])
+    out = {}
+    for line in lines[start + 1:]:
+        parts = line.split()
+        if not parts or parts[0].startswith("-"):
+            break
+        out[parts[0]] = (float(parts[2]), parts[3])
+    return out
+
+
+def _page_cells(html: str) -> dict[str, tuple[float, str]]:
+    """cell -> (throughput, speedup) as the report's cell table prints them."""
+    body = html[html.index("<tbody>"):html.index("</tbody>")]
+    out = {}
+    for row in re.findall(r"<tr>(.*?)</tr>", body, re.S):
+        key = re.search(r'<td class="key">([^<]+)', row).group(1).strip()
+        nums = [re.sub(r"<[^>]+>", "", v).strip() for v in re.findall(r'<td class="num">(.*?)</td>', row, re.S)]
+        out[key] = (float(nums[1].replace(",", "")), nums[2])  # after the world size
+    return out
+
+
 def test_sweep_runs_its_cells_writes_the_report_and_a_rerun_reuses_them(cli, tmp_path, db_rows):
     grid = tmp_path / "grid.toml"
     text = f'name = "tiny"\n[base]\n{TINY_WORKLOAD}\n[grid]\n"strategy.name" = ["ddp", "single"]\n'
@@ -215,6 +240,8 @@ def test_sweep_runs_its_cells_writes_the_report_and_a_rerun_reuses_them(cli, tmp
     html = (tmp_path / "tiny.html").read_text()
     assert "ddlscope sweep tiny" in html and 'id="headlines"' not in html
     assert "tiny:ddp" in html and "tiny:single" in html  # run refs in the cell table
+
+    assert _terminal_cells(first.stdout) == _page_cells(html)  # one computation: the same figures on both
 
     again = cli("sweep", "grid.toml", "-o", "tiny.html")
     assert again.returncode == 0, again.stderr

@@ -435,6 +435,8 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
                    part=labels.get("part"), cell_world_size=labels.get("world_size", d.run.world_size),
                    strategy=labels.get("strategy", d.run.strategy), target=target,
                    time_to_target=d.time_to_target(float(target)) if target is not None else None)
+        if cell.get("row") is not None:
+            row.update(_cell_row_figures(cell["row"], int(row["cell_world_size"])))
         if labels.get("part") == "timing":  # a step-time cell stops after a few steps: no accuracy shown
             row.update(metric=None, time_to_target=None)
         table.append(row)
@@ -485,7 +487,10 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
         "notes": all_notes, "headlines": headlines, "decisions": decisions, "cells": table,
         "has_target": has_target, "any_ps": bool(ps),
         "metric_header": f"final {next(iter(metric_names))}" if len(metric_names) == 1 else "final metric",
-        "fig_throughput": _fig_throughput(data),
+        # Memory cells time nothing comparable (the cell table gives them no speedup): not in the chart.
+        "fig_throughput": figures.throughput_speedup(*zip(*[(r["key"], r["throughput"], r["speedup"], r["strategy"])
+                                                            for r in table if r["part"] != "memory"]))
+        if any(r["part"] != "memory" for r in table) else None,
         "fig_scaling": _fig_scaling(series),
         "fig_memory": _fig_memory(memory, "memory by category per rank (memory cells)") if memory else [],
         "fig_curves": curve_figs,
@@ -493,6 +498,15 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
         "fig_breakdown": _fig_breakdown(data),
     }
     return _env().get_template("study.html").render(**context)
+
+
+def _cell_row_figures(row: Any, world_size: int) -> dict[str, Any]:
+    """A study's cell-table row (studies/base.py CellRow) as the page's columns: the effective step and
+    throughput, the speedup over the study's one-process cell, wall time and time to target, exactly as
+    the terminal's table prints them."""
+    return {"step_s": row.step_s, "throughput": row.throughput, "speedup": row.speedup,
+            "efficiency": row.speedup / world_size if row.speedup is not None else None,
+            "train_wall_s": row.wall_s, "time_to_target": row.time_to_target_s, "mean_staleness": row.staleness}
 
 
 def _study_scaling_series(cells: list[dict], data: list[RunData]) -> dict[str, dict[int, float]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ddlscope.studies.base import Cell, CellResult, Findings, Study, run_cells
+from ddlscope.studies.base import Cell, CellResult, Findings, Study, cell_rows, run_cells
 from ddlscope.store import Store
 
 
@@ -46,7 +46,10 @@ def write_study_report(study: Study, results: list[CellResult], findings: Findin
                        title: str) -> None:
     from ddlscope.report.html import study_report, write_report  # matplotlib: only when a report is written
 
-    cells = [{"key": r.cell.key, "run": r.run, "labels": r.cell.labels, "summary": r.summary} for r in results]
+    # The cell table's own rows (studies/base.py cell_rows), the numbers the terminal prints: the page shows
+    # the same figures, not a second computation of them.
+    cells = [{"key": r.cell.key, "run": r.run, "labels": r.cell.labels, "summary": r.summary, "row": row}
+             for r, row in zip(results, cell_rows(results))]
     with Store(db) as store:
         html = study_report(store, title, cells, findings.headlines if study.has_headlines else None,
                             findings.decisions, findings.notes)
