@@ -20,7 +20,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddlscope.specs import STRATEGY_SPECS, is_baseline, traits_of
+from ddlscope.specs import STRATEGY_SPECS, WorkloadSpec, is_baseline, traits_of
 from ddlscope.store import Run, Store
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s")
@@ -278,15 +278,24 @@ def _add_utilization(summary: Summary, store: Store, run: Run) -> None:
 
 
 def find_single_baseline(store: Store, run: Run) -> Run | None:
-    """The newest finished one-process run of the same workload spec, the speedup's denominator."""
+    """The newest finished one-process run of the same workload spec, the speedup's denominator; its
+    schedule (steps, evaluations) may differ, since a step is compared with a step."""
     baselines = [name for name in STRATEGY_SPECS.names() if is_baseline(name)]
     if run.strategy in baselines:
         return None
+    mine = _step_defining(run.config.get("workload"))
     for strategy in baselines:
         for candidate in store.find_runs(workload=run.workload, strategy=strategy):
-            if candidate.config.get("workload") == run.config.get("workload"):
+            if _step_defining(candidate.config.get("workload")) == mine:
                 return candidate
     return None
+
+
+def _step_defining(workload: Any) -> Any:
+    """A stored workload section without the fields that only schedule the run."""
+    if not isinstance(workload, dict):
+        return workload
+    return {k: v for k, v in workload.items() if k not in WorkloadSpec.SCHEDULE_FIELDS}
 
 
 def _straggler_steps(agg: StepAggregates) -> dict[int, int]:

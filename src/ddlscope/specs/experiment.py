@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, SerializeAsAny, field_validator, model_validator
 
@@ -25,6 +25,10 @@ MAX_RANKS = 2**20
 
 class WorkloadSpec(Spec):
     """Fields shared by every workload; subclasses add model/data knobs."""
+
+    # How long a run trains and how often it evaluates, not what one step computes: runs that differ
+    # only here compare step for step (a speedup's one-process baseline, analysis/summary.py).
+    SCHEDULE_FIELDS: ClassVar[tuple[str, ...]] = ("steps", "eval_every", "eval_batches")
 
     name: str = Field(description="registered workload name")
     batch_size: int = Field(64, ge=1, description="global batch: samples per step, summed over ranks")
