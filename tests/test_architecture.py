@@ -151,3 +151,18 @@ def test_a_strategy_without_an_estimator_is_caught():
     assert ESTIMATORS.find(OrphanSpec) is None
     with pytest.raises(LookupError, match="no estimator is registered for OrphanSpec"):
         ESTIMATORS.get(OrphanSpec)
+
+
+def test_the_user_guide_lists_every_command_and_built_in_workload():
+    # the lists a reader relies on cannot go stale: every registered command and workload has its row
+    import re
+
+    from ddlscope.cli import COMMANDS
+    from ddlscope.workloads import WORKLOADS
+
+    guide = (DOCS / "user-guide.md").read_text()
+    rows = "\n".join(line for line in guide.splitlines() if line.startswith("| `ddlscope"))
+    commands = [name for name, _ in COMMANDS if not re.search(rf"`ddlscope {re.escape(name)}[ `]", rows)]
+    assert not commands, f"docs/user-guide.md's command table lacks {commands}"
+    workloads = [name for name in WORKLOADS.names() if ":" not in name and f"| `{name}` |" not in guide]
+    assert not workloads, f"docs/user-guide.md's workload table lacks {workloads} (model sources: docs/models.md)"

@@ -39,8 +39,8 @@ def workloads() -> None:
     shared = ", ".join(f"{name}={field.default!r}" for name, field in WorkloadSpec.model_fields.items()
                        if name != "name")
     # the data pipeline is a knob of every workload: say so where workloads are listed
-    console.print(f"every workload also takes: {shared} (data = 'parquet': sharded Parquet through loader "
-                  "workers, docs/data-pipeline.md)", soft_wrap=True)
+    console.print(f"every workload also takes: {shared}, unless its row gives its own default (data = 'parquet': "
+                  "sharded Parquet through loader workers, docs/data-pipeline.md)", soft_wrap=True)
 
 
 def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[str]) -> None:
@@ -51,6 +51,13 @@ def _print_catalogue(kind: str, items: list[tuple[str, Any]], base_fields: set[s
 
 
 def _knobs(spec_class: Any, base_fields: set[str]) -> str:
-    # get_default: a list knob's default comes from a factory (f.default is PydanticUndefined)
-    return ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in spec_class.model_fields.items()
-                     if k not in base_fields) or "-"
+    """The spec's own knobs, and those of the base whose default it changes (gpt-char trains with adamw)."""
+    base = next((c for c in spec_class.__mro__[1:] if set(getattr(c, "model_fields", {})) == base_fields), None)
+
+    def default(cls: Any, k: str) -> Any:
+        # get_default: a list knob's default comes from a factory (f.default is PydanticUndefined)
+        return cls.model_fields[k].get_default(call_default_factory=True)
+
+    shown = [k for k in spec_class.model_fields if k != "name" and (k not in base_fields or base is not None
+                                                                   and default(spec_class, k) != default(base, k))]
+    return ", ".join(f"{k}={default(spec_class, k)!r}" for k in shown) or "-"
