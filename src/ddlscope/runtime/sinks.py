@@ -15,8 +15,9 @@ failing the run.
 
 Everything stays on this machine, with no account: TensorBoard event files, an MLflow file store
 (`file:` URI; MLflow 3 keeps it behind MLFLOW_ALLOW_FILE_STORE, set here), W&B offline mode (`wandb
-sync` uploads it later if wanted). Telemetry and usage reports of the libraries are turned off by
-their environment variables (OFFLINE_ENVIRONMENT). Libraries are imported when a sink opens.
+sync` uploads it later if wanted; the run's own settings say offline, whatever WANDB_MODE says).
+Telemetry and error reports of the libraries are turned off by their environment variables
+(OFFLINE_ENVIRONMENT). Libraries are imported when a sink opens.
 
 Under the log folder (default: ddlscope-logs beside the store) each sink keeps runs apart:
 
@@ -51,11 +52,11 @@ LOG_ROOT = "ddlscope-logs"  # the default log folder's name, beside the store
 PROJECT = "ddlscope"  # MLflow's experiment and W&B's project
 PHASES = ("data_s", "forward_s", "backward_s", "comm_wait_s", "optimizer_s", "step_s")
 FLUSH_S = 1.0  # the sinks' thread writes what was recorded this often (and at close)
-# No account, no network, no usage reports: set in this process (and so its ranks) when a sink opens.
+# No usage reports, and MLflow's file store allowed: set in this process (and so its ranks) when a sink
+# opens. W&B's offline mode, silence and no git or code capture are the run's own settings (WandbSink),
+# not WANDB_MODE and the like, so that a script's own W&B runs (under attach or launch) stay as it set them.
 OFFLINE_ENVIRONMENT = {
-    "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
-    "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
-    "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ALLOW_FILE_STORE": "true",
+    "WANDB_ERROR_REPORTING": "false", "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ALLOW_FILE_STORE": "true",
 }
 
 
