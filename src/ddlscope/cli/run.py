@@ -444,12 +444,14 @@ SHOWN_RANKS = 16
 
 
 def _stragglers(steps_by_rank: dict[int, int]) -> str:
-    """The ranks the others waited for, most often first; past SHOWN_RANKS, the first few and a count."""
+    """How often each rank was the one the others waited for (the most time outside communication in
+    a step), most often first; past SHOWN_RANKS, the first few and a count."""
+    total = sum(steps_by_rank.values())
     ranked = sorted(steps_by_rank.items(), key=lambda kv: (-kv[1], kv[0]))
-    if len(ranked) <= SHOWN_RANKS:
-        return ", ".join(f"rank {r}: {n} steps" for r, n in sorted(steps_by_rank.items()))
-    shown = ", ".join(f"rank {r}: {n} steps" for r, n in ranked[:5])
-    return f"{shown}, and {len(ranked) - 5} other ranks ({sum(n for _, n in ranked[5:])} steps)"
+    shown = ", ".join(f"rank {r} in {n} of {total} steps" for r, n in ranked[:SHOWN_RANKS if len(ranked) <= SHOWN_RANKS
+                                                                               else 5])
+    rest = f", other ranks in {sum(n for _, n in ranked[5:])}" if len(ranked) > SHOWN_RANKS else ""
+    return f"{shown}{rest}"
 
 
 def _memory_table(memory: dict[int, dict[str, int]], categories: list[str]) -> Table:
@@ -494,7 +496,7 @@ def _print_summary(s: Any) -> None:
                      f"{s.comm['comm_s'] * 1e3:.2f} ms in flight, {s.comm['exposed_s'] * 1e3:.2f} ms exposed, "
                      f"overlap {s.comm['overlap_fraction']:.0%}")
     if len(s.straggler_steps) > 0 and sum(s.straggler_steps.values()) > 0:
-        head.add_row("slowest rank", _stragglers(s.straggler_steps))
+        head.add_row("waited for", _stragglers(s.straggler_steps))
     if s.staleness:
         head.add_row("staleness", f"mean {s.staleness['mean']:.2f}, max {s.staleness['max']:.0f} "
                      f"over {s.staleness['updates']:.0f} server updates")
