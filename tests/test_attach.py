@@ -54,8 +54,10 @@ def torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_an_attached_loop_stores_steps_whose_parts_add_up(how: str, wrapper: str, tmp_path: Path) -> None:
     steps = 6
     args = ["--steps", str(steps), "--width", str(WIDTH), "--batch", str(BATCH), *(["--fsdp"] if wrapper == "fsdp" else [])]
+    traced = how == "launch" and wrapper == "ddp"
     if how == "launch":
-        done = run_cli("launch", "--nproc", "2", "--json", str(EXAMPLE), "--", *args, cwd=tmp_path, timeout_s=240)
+        done = run_cli("launch", "--nproc", "2", "--json", *(["--trace"] if traced else []), str(EXAMPLE), "--", *args,
+                       cwd=tmp_path, timeout_s=240)
         assert done.returncode == 0, done.stderr[-2000:]
         summary = json.loads(done.stdout)
     else:
@@ -91,6 +93,15 @@ def test_an_attached_loop_stores_steps_whose_parts_add_up(how: str, wrapper: str
     assert memory["parameters"] == (gradient_bytes if wrapper == "ddp" else pytest.approx(gradient_bytes / 2, rel=0.05))
     assert memory["optimizer"] == memory["parameters"]  # SGD with momentum: one buffer per parameter
     assert memory["activations"] > 0
+
+    if traced:  # steps 1-3 profiled on each rank, the attached phases labelled as a run's are
+        merged = run_cli("trace", "1", "-o", "t.json", cwd=tmp_path)
+        assert merged.returncode == 0, merged.stderr
+        events = json.loads((tmp_path / "t.json").read_text())
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        labels = {e.get("name") for e in events if str(e.get("name", "")).startswith("ddlscope.")}
+        assert {"ddlscope.forward", "ddlscope.backward", "ddlscope.optimizer", "ddlscope.data"} <= labels
+        assert len({e.get("pid") for e in events if e.get("name") == "ddlscope.forward"}) == 2  # a track per rank
 
     report = run_cli("report", "1", "-o", "r.html", cwd=tmp_path)
     assert report.returncode == 0, report.stderr

@@ -116,6 +116,8 @@ def launch(
     as_json: Annotated[bool, json_option("Print the summary as one JSON object (the script's own output goes "
                                          "to standard error).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    trace: Annotated[bool, typer.Option("--trace", help="Profile steps 1-3 of every attached rank (torch.profiler); "
+                                        "merge with `ddlscope trace RUN`.")] = False,
     log: LogOption = None,
     log_dir: LogDirOption = None,
 ) -> None:
@@ -135,7 +137,7 @@ def launch(
     with _progress(None, enabled=show_progress) as on_progress:
         result = launch_script(script, script_args or [], nproc, db, name=name, hang_timeout_s=hang_timeout,
                                max_restarts=max_restarts, on_progress=on_progress, output_to_stderr=as_json,
-                               sinks=sinks)
+                               sinks=sinks, trace_steps=3 if trace else 0)
     _report_stored(db, result.run_id, as_json, result.logs, result.log_errors)
     if result.status != "finished":
         err_console.print(f"run {result.run_id} {result.status}: {result.error}", markup=False, highlight=False,
@@ -364,7 +366,8 @@ def trace(run_ref: RunArg,
         traces = {e["rank"]: Path(e["message"].partition("path=")[2]) for e in store.events(run_.id)
                   if e["kind"] == "trace" and "path=" in e["message"]}
     if not traces:
-        raise StoreError(f"run {run_.id} has no traces (run it with --trace or --set trace_steps=N)")
+        raise StoreError(f"run {run_.id} has no traces (run it with --trace or --set trace_steps=N; an attached job: "
+                         "launch --trace, or ddlscope.attach(..., trace_steps=N))")
     present = [RankTrace(rank, path) for rank, path in sorted(traces.items()) if path.is_file()]
     missing = sorted(set(traces) - {t.rank for t in present})
     if not present:

@@ -55,6 +55,7 @@ from ddlscope.runtime.instrument import (
 from ddlscope.runtime.rows import RowWriter, done_pids, leave_done_marker, rank_file, run_dir_for
 from ddlscope.runtime.sinks import SinkChoice, Sinks, choose_sinks, run_label
 from ddlscope.runtime.timer import PhaseTimer
+from ddlscope.runtime.trace import StepTracer, traces_dir_for
 from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB
 from ddlscope.strategies.base import AttachedCommStats
@@ -65,12 +66,14 @@ clock = time.perf_counter
 # Set by `ddlscope launch` (runtime/script.py) in every rank it starts.
 RUN_DIR_ENV = "DDLSCOPE_RUN_DIR"
 RUN_NAME_ENV = "DDLSCOPE_RUN_NAME"
+TRACE_STEPS_ENV = "DDLSCOPE_TRACE_STEPS"
 # The store a job outside `ddlscope launch` writes to (default: store.DEFAULT_DB).
 DB_ENV = "DDLSCOPE_DB"
 ATTACHED_EVENT = "attached"  # the first record of every attached rank's file: what the job is
 MEMORY_STEP = 1  # the first step pays one-off costs (DDP's bucket rebuild, lazy state)
 MAX_COUNTED_SHAPES = 8  # FLOPs are counted on the first step of each new input shape, up to this many
-CLOSE_WAIT_S = 120.0  # rank 0 waits this long at close for the other ranks' files
+CLOSE_WAIT_S = 120.0
+UNKNOWN_STEPS = 1 << 62  # an attached loop's length is its own: the tracer only needs it to be long  # rank 0 waits this long at close for the other ranks' files
 # Set by `ddlscope launch --log` in its ranks: the launcher feeds the sinks, so `attach(log=...)` leaves them to it.
 LAUNCHER_LOGS_ENV = "DDLSCOPE_LAUNCHER_LOGS"
 
@@ -85,14 +88,16 @@ _current_lock = threading.Lock()
 
 def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | None = None,
            db: str | os.PathLike[str] | None = None, log: str | None = None,
-           log_dir: str | os.PathLike[str] | None = None) -> "Meter":
+           log_dir: str | os.PathLike[str] | None = None, trace_steps: int | None = None) -> "Meter":
     """Measure `model` and `optimizer` in the caller's own loop; mark each step with `meter.step()`.
 
     `run`: the run's name (default: the script's file name). `db`: the store for a job not started by
     `ddlscope launch` (default: $DDLSCOPE_DB, else the store's default in the working folder). Call it after
     `torch.distributed.init_process_group` and after wrapping the model (DDP, `fully_shard`), once per
     process. `log`: sinks rank 0 also writes each step to, "tensorboard,mlflow,wandb" or some of them
-    (runtime/sinks.py), under `log_dir` (default: ddlscope-logs beside the store).
+    (runtime/sinks.py), under `log_dir` (default: ddlscope-logs beside the store). `trace_steps`: profile
+    steps 1..N with torch.profiler, for `ddlscope trace RUN` (default: $DDLSCOPE_TRACE_STEPS, which
+    `ddlscope launch --trace` sets, else none).
     """
     global _current
     if not isinstance(model, nn.Module):
@@ -103,8 +108,11 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | Non
         if _current is not None and not _current.closed:
             raise AttachError("ddlscope.attach was called twice in this process: attach once, after wrapping the "
                               "model, and reuse the meter it returned")
+        steps = trace_steps if trace_steps is not None else int(os.environ.get(TRACE_STEPS_ENV, "0") or 0)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise AttachError(f"ddlscope.attach: trace_steps = {steps!r}: must be an integer >= 0")
         _current = Meter(model, optimizer, run_name=run, db=Path(db) if db is not None else None, log=log,
-                         log_dir=log_dir)
+                         log_dir=log_dir, trace_steps=steps)
     atexit.register(_close_at_exit, _current)
     return _current
 
@@ -136,7 +144,7 @@ class Meter:
     """One process's measurements of an attached job (see the module's docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, run_name: str | None, db: Path | None,
-                 log: str | None = None, log_dir: str | os.PathLike[str] | None = None):
+                 log: str | None = None, log_dir: str | os.PathLike[str] | None = None, trace_steps: int = 0):
         self.model, self.optimizer = model, optimizer
         self.rank, self.world = _rank_and_world()
         self.device = _device_of(model)
@@ -164,6 +172,10 @@ class Meter:
         self._counted_shapes: set[tuple[Any, ...]] = set()
         self._counter: Any = None
         self._writer: RowWriter | None = None
+        self._trace_steps = trace_steps
+        self._tracer: StepTracer | None = None
+        self._label: Any = None  # the open phase's profiler range, while a step is traced
+        self._step_thread = threading.get_ident()
         self._heartbeat: Heartbeat | None = None
         self._run_id: int | None = None  # the store's id, when this process created the run
         self._run_dir: Path | None = None
@@ -186,6 +198,9 @@ class Meter:
         if self._step_index == 0:
             self._start_s = begin_s
         step = self._step = Step(samples)
+        assert self._tracer is not None
+        self._tracer.before_step(self._step_index)
+        self._step_thread = threading.get_ident()
         self._timer.start(begin_s)
         self._enter_phase("data")
         if self._heartbeat is not None:
@@ -204,7 +219,9 @@ class Meter:
             self._finish_counting()
             if self._phase is not None:
                 self._timer.close_phase(self._phase, self._phase_cpu_s)
+            self._close_label()
             self._phase, self._step = None, None
+            self._tracer.after_step(self._step_index)
         self._write_step(step)
         self._previous_end_s = self._timer.end_s
         self._step_index += 1
@@ -227,6 +244,8 @@ class Meter:
         self._memory.setdefault("parameters", parameter_bytes(self.model))
         self._memory.update(peak_process_bytes(self.device))
         self._writer.write("memory", bytes=self._memory)
+        if self._tracer is not None:
+            self._tracer.finish()
         if self._sinks is not None:
             for note in self._sinks.close(status):
                 print(f"ddlscope: {note}", file=sys.stderr)
@@ -254,6 +273,8 @@ class Meter:
         else:
             self._run_dir, self._run_id = self._agree_on_run()
         self._writer = RowWriter(rank_file(self._run_dir, self.rank), self.rank)
+        self._tracer = StepTracer(self._trace_steps, UNKNOWN_STEPS, traces_dir_for(self._run_dir), self.rank,
+                                  self.device, self._writer)
         self._writer.event(ATTACHED_EVENT, json.dumps(self.description(), sort_keys=True))
         if self._comm_note:
             self._writer.event("comm_unrecorded", self._comm_note)
@@ -308,8 +329,24 @@ class Meter:
         elif self._phase == name:
             return
         self._phase, self._phase_cpu_s = name, time.thread_time()
+        self._open_label(name)
         if self._heartbeat is not None:
             self._heartbeat.beat(phase=name)
+
+    def _open_label(self, name: str) -> None:
+        """A profiler range for the phase of a traced step (`ddlscope.forward`, ...), as `ddlscope run`
+        labels its phases; only on the thread that opened the step, since a range closes where it opened
+        (a GPU's backward runs on autograd's own thread)."""
+        self._close_label()
+        if self._tracer is not None and threading.get_ident() == self._step_thread:
+            label = self._tracer.phase(name)
+            label.__enter__()
+            self._label = label
+
+    def _close_label(self) -> None:
+        if self._label is not None and threading.get_ident() == self._step_thread:
+            label, self._label = self._label, None
+            label.__exit__(None, None, None)
 
     def _before_forward(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._step is None or not torch.is_grad_enabled():

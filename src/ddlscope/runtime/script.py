@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from ddlscope.runtime.attach import (
-    ATTACHED_EVENT, LAUNCHER_LOGS_ENV, RUN_DIR_ENV, RUN_NAME_ENV, create_attached_run, current_meter)
+    ATTACHED_EVENT, LAUNCHER_LOGS_ENV, RUN_DIR_ENV, RUN_NAME_ENV, TRACE_STEPS_ENV, create_attached_run, current_meter)
 from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.launcher import (
     HANG_STARTUP_S, RDZV_ID, _environment_variable, end_hung_run, first_failure, start_progress, launch_processes)
@@ -60,11 +60,13 @@ def check_script(script: Path) -> None:
 def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, *, name: str | None = None,
                   hang_timeout_s: float = 300.0, max_restarts: int = 0,
                   on_progress: Callable[[dict[str, Any]], None] | None = None,
-                  output_to_stderr: bool = False, sinks: SinkChoice | None = None) -> ScriptResult:
+                  output_to_stderr: bool = False, sinks: SinkChoice | None = None,
+                  trace_steps: int = 0) -> ScriptResult:
     """Run `script ARGS` in `nprocs` ranks on this machine and store what its attached meter measured.
 
     `output_to_stderr`: the script's standard output goes to standard error (`launch --json` keeps its
-    standard output for the summary).
+    standard output for the summary). `trace_steps`: the attached meters profile steps 1..N
+    (torch.profiler), for `ddlscope trace RUN`.
 
     `sinks`: TensorBoard / MLflow / W&B, fed here from rank 0's file (the ranks pay nothing).
 
@@ -89,7 +91,7 @@ def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, 
     launcher_logs.__enter__()
     try:
         launch_processes(script_main, (str(script.resolve()), list(args), str(run_dir), name or script.stem,
-                                       output_to_stderr), nprocs,
+                                       output_to_stderr, trace_steps), nprocs,
                          run_id=f"{RDZV_ID}-{run_uuid[:12]}", max_restarts=max_restarts)
     except ChildFailedError as exc:
         status, error = "failed", first_failure(exc)
@@ -117,13 +119,16 @@ def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, 
     return result
 
 
-def script_main(script: str, args: list[str], run_dir: str, name: str, output_to_stderr: bool = False) -> dict[str, Any]:
+def script_main(script: str, args: list[str], run_dir: str, name: str, output_to_stderr: bool = False,
+                trace_steps: int = 0) -> dict[str, Any]:
     """A rank: run the script as `__main__`, then close its meter (the script may not have)."""
     if output_to_stderr:
         sys.stdout.flush()
         os.dup2(2, 1)
     os.environ[RUN_DIR_ENV] = run_dir
     os.environ[RUN_NAME_ENV] = name
+    if trace_steps:
+        os.environ[TRACE_STEPS_ENV] = str(trace_steps)
     sys.argv = [script, *args]
     sys.path.insert(0, str(Path(script).parent))
     try:
