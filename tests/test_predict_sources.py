@@ -151,3 +151,16 @@ def test_a_well_known_model_by_name_is_its_published_shape(capsys) -> None:
                                    ("llama3.1-405b", 405e9, ["--pp", "9", "--dp", "7"])):
         out = predicted(capsys, "--model", name, "--cluster", "h100:64x8", "--global-batch", "1008", "--tp", "8", *extra)
         assert out["parameters"] == pytest.approx(published, rel=0.005), name
+
+
+@pytest.mark.parametrize("zero,strategy", [(0, "ddp"), (3, "fsdp")])
+def test_a_decoders_prediction_holds_the_memory_command_figures(zero: int, strategy: str, capsys) -> None:
+    sizes = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256, "vocab": 500, "seq_len": 64}
+    flags = ["--model", "hf:llama", "--hidden", "128", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+             "--ffn-hidden", "256", "--vocab", "500", "--seq", "64", "--global-batch", "16", "--cluster", "h100:1x8"]
+    out = predicted(capsys, *flags, "--zero", str(zero))
+    assert main(["memory", "hf:llama", "--strategy", strategy, "--world-size", "8", "--batch", "16", "--cluster",
+                 "h100:1x8", "--json", *[a for k, v in sizes.items() for a in ("--set", f"workload.{k}={v}")]]) == 0
+    (estimate,) = json.loads(capsys.readouterr().out)["estimates"]
+    assert out["memory_per_rank"] == estimate and estimate["strategy"] == strategy
+    assert "memory_per_rank" not in predicted(capsys, *flags, "--tp", "2")  # no strategy is tensor parallel

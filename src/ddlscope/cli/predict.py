@@ -198,6 +198,8 @@ def predict_command(
     if as_json:
         out = result.to_dict()
         out["parameters"] = step_model.params
+        if spec.model.kind == "hf" and (memory := _decoder_memory_per_rank(spec.model, parallel, the_cluster)):
+            out["memory_per_rank"] = memory  # what `ddlscope memory` says of this model and strategy
         if spec.model.preset:
             out["preset"] = {"name": spec.model.preset, "source": _preset_source(spec.model.preset)}
         out["sustained_fraction"] = fitted["sustained_fraction"] if fitted else \
@@ -468,14 +470,38 @@ def _source_layers(name: str, image_size: int, classes: int) -> RecordedModel:
 
 
 def _memory_per_rank(spec: Any, strategy: str, cluster: Any) -> dict[str, Any]:
-    """What `ddlscope memory MODEL --strategy S --cluster C --batch B --json` gives for the same model,
-    strategy, ranks and global batch: one rank's bytes by category, from the model table."""
+    """What `ddlscope memory MODEL --strategy S --cluster C --batch B --json` gives for the same image
+    model, strategy, ranks and global batch: one rank's bytes by category, from the model table."""
+    return _memory_estimate({"workload.name": spec.name, "workload.image_size": spec.image_size,
+                             "workload.classes": spec.classes, "workload.batch_size": spec.global_batch}, strategy, cluster)
+
+
+def _decoder_memory_per_rank(model: ModelInput, parallel: Any, cluster: Any) -> dict[str, Any] | None:
+    """`ddlscope memory`'s figures for a transformers decoder under the registered strategy this layout is
+    (`Estimator.transformer_layout`: DDP is ZeRO-0, FSDP ZeRO-3 over every GPU); None for a layout no
+    strategy is (tensor, pipeline or context parallel, ZeRO 1-2)."""
+    from ddlscope.predict.estimators import estimator_for
+    from ddlscope.specs import strategy_specs
+
+    if (parallel.tp, parallel.pp, parallel.cp, parallel.ep) != (1, 1, 1, 1):
+        return None
+    wanted = {"dp": parallel.dp, "zero": parallel.zero}
+    for spec_class in strategy_specs():
+        spec = spec_class()
+        layout = estimator_for(spec).transformer_layout(spec, parallel.dp) or {}
+        if {k: layout.get(k) for k in wanted} == wanted:
+            knobs = {f"workload.{k}": v for k, v in model.decoder_knobs().items()}
+            return _memory_estimate({**knobs, "workload.batch_size": model.global_batch}, spec.registered_name,
+                                    cluster, world_size=parallel.dp)
+    return None
+
+
+def _memory_estimate(workload: dict[str, Any], strategy: str, cluster: Any, world_size: int | None = None
+                     ) -> dict[str, Any]:
     from ddlscope.memory_estimate import Budget, estimate
     from ddlscope.runtime.config import load_experiment
 
-    overrides = {"workload.name": spec.name, "workload.image_size": spec.image_size, "workload.classes": spec.classes,
-                 "workload.batch_size": spec.global_batch, "cluster.world_size": cluster.n_gpus,
-                 "strategy.name": strategy}
+    overrides = {**workload, "cluster.world_size": world_size or cluster.n_gpus, "strategy.name": strategy}
     device = cluster.device
     budget = Budget(device.key, device.memory_bytes, device.framework_overhead_bytes)
     (per_rank,) = estimate(load_experiment(None, overrides), overrides, budget, all_strategies=False)["estimates"]
