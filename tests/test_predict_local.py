@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -79,19 +80,23 @@ def test_prediction_shape_and_strategy_ordering():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-def test_predict_run_on_a_stored_ddp_run(tmp_path: Path):
+@pytest.mark.parametrize("workload", [{}, {"workload.name": "module:examples.my_model:build"}],
+                         ids=["built-in", "module-source"])
+def test_predict_run_on_a_stored_ddp_run(workload: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     from ddlscope.runtime.config import experiment_to_dict, load_experiment
     from ddlscope.runtime.launcher import launch
 
+    monkeypatch.syspath_prepend(str(SRC.parent))  # examples/ (a model source the user's own code names)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SRC.parent), os.environ.get("PYTHONPATH", "")]))
     db = tmp_path / "ddlscope.db"
     exp = load_experiment(None, {"strategy.name": "ddp", "cluster.world_size": 2, "workload.steps": 3,
-                                 "workload.optimizer": "adamw", "workload.lr": 1e-3})
+                                 "workload.optimizer": "adamw", "workload.lr": 1e-3, **workload})
     assert launch(exp, db).status == "finished"
     write_profile(PROFILE, tmp_path / "cal.toml")
     code = "import sys; from ddlscope.cli import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, "predict-run", "1", "--calibration", "cal.toml", "--json"],
-                          cwd=tmp_path, env={"PYTHONPATH": str(SRC), "COLUMNS": "200"}, capture_output=True,
-                          text=True, timeout=120)
+                          cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(SRC), str(SRC.parent)]),
+                                             "COLUMNS": "200"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert set(result) == {"run", "calibration", "predicted", "measured", "error"}
