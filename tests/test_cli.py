@@ -127,3 +127,38 @@ def test_bad_export_option_is_one_line_and_exit_2(store_with_run: Path, capsys, 
     out = capsys.readouterr()
     assert code == 2 and out.out == ""
     assert out.err.strip().splitlines() == [message]
+
+
+# ---------------------------------------------------------------------------- progress
+def test_the_progress_line_names_every_phase_of_a_run(tmp_path: Path):
+    """From the launcher's follower (rank 0's events, steps) to the bar: no phase goes unnamed."""
+    import json
+    import threading
+
+    from ddlscope.cli.run import _progress
+    from ddlscope.runtime.launcher import start_progress, storing_rows
+    from ddlscope.runtime.rows import RowWriter, rank_file
+
+    writer = RowWriter(rank_file(tmp_path, 0), 0)
+    writer.event("started", "host=x pid=1")
+    writer.event("train_start", "per_rank_batch=4")
+    for step in range(3):
+        writer.write("step", step=step, samples=4, step_s=0.01, loss=1.0)
+    writer.event("train_end", "train_s=0.03")
+    writer.close()
+
+    seen: list[str] = []
+    progress = _progress(3, enabled=True)
+    with progress as update:
+        def record(row: dict) -> None:
+            update(row)
+            seen.append(progress.bar.tasks[0].description)
+
+        assert progress.bar.tasks[0].description == "starting ranks"
+        stop = threading.Event()
+        thread = start_progress(tmp_path, 0, record, stop)
+        stop.set()
+        thread.join(timeout=10)
+        storing_rows(record)
+    assert seen == ["starting ranks", "training", "training", "training", "evaluating, saving", "finishing",
+                    "storing rows"], json.dumps(seen)

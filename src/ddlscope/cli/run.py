@@ -202,6 +202,11 @@ def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json
         raise typer.Exit(130 if result.status == "interrupted" else 1)
 
 
+# What the progress line says after rank 0 records one of these events (runtime/launcher.PROGRESS_EVENTS).
+_PHASE_OF_EVENT = {"started": "starting ranks", "train_start": "training", "checkpoint": "training",
+                   "train_end": "finishing"}
+
+
 class _progress:
     """A rich progress bar fed by the launcher's row follower; nothing when disabled."""
 
@@ -212,20 +217,29 @@ class _progress:
     def __enter__(self) -> Any:
         if not self.enabled:
             return None
+        # The phase is named from the first line on (starting ranks, training, ...), so that no stretch of
+        # a run passes silently: rank start-up, the final evaluation and the ingest take seconds.
         self.bar = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"),
             TextColumn("{task.fields[metric]}"), TimeElapsedColumn(), console=console, transient=True)
         self.bar.start()
-        task = self.bar.add_task("steps", total=self.total, rate="", loss="-", metric="")
+        task = self.bar.add_task("starting ranks", total=self.total, rate="", loss="-", metric="")
 
         def update(row: dict[str, Any]) -> None:
             assert self.bar is not None
-            if row["kind"] == "eval":
+            kind = row["kind"]
+            if kind == "phase":
+                self.bar.update(task, description=row["phase"])
+            elif kind == "event":
+                self.bar.update(task, description=_PHASE_OF_EVENT.get(row["event"], "training"))
+            elif kind == "eval":
                 self.bar.update(task, metric=f"{row['metric_name']} {row['metric']:.4g}")
-                return
-            rate = f"{row['samples'] / row['step_s']:.0f} samples/s/rank" if row["step_s"] > 0 else ""
-            self.bar.update(task, completed=row["step"] + 1, loss=f"{row['loss']:.4f}", rate=rate)
+            else:
+                rate = f"{row['samples'] / row['step_s']:.0f} samples/s/rank" if row["step_s"] > 0 else ""
+                last = self.total is not None and row["step"] + 1 >= self.total
+                self.bar.update(task, completed=row["step"] + 1, loss=f"{row['loss']:.4f}", rate=rate,
+                                description="evaluating, saving" if last else "training")
 
         return update
 

@@ -221,6 +221,7 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     if store is None or run_id is None:
         return result
     try:
+        storing_rows(on_progress)
         result.rows = ingest_run_dir(store, run_id, run_dir)
         expected = exp.workload.steps * cluster.world_size
         if status == "finished" and store.count_steps(run_id) != expected:
@@ -476,9 +477,20 @@ def _running(pid: int) -> bool:
         return True
 
 
+# A rank's events a progress display names its phase by (rank 0's: started, training, done training).
+PROGRESS_EVENTS = ("started", "train_start", "train_end", "checkpoint")
+
+
+def storing_rows(on_progress: Callable[[dict[str, Any]], None] | None) -> None:
+    """Tell a progress display that the ranks are done and their rows are going into the store."""
+    if on_progress is not None:
+        on_progress({"kind": "phase", "phase": "storing rows"})
+
+
 def start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[dict[str, Any]], None] | None,
                     stop: threading.Event, sinks: Sinks | None = None) -> threading.Thread | None:
-    """Follow the first local rank's row file and report each new step; hand `sinks` every record."""
+    """Follow the first local rank's row file and report each new step, evaluation and phase event
+    (PROGRESS_EVENTS); hand `sinks` every record."""
     if on_progress is None and sinks is None:
         return None
 
@@ -499,7 +511,8 @@ def start_progress(run_dir: Path, first_local_rank: int, on_progress: Callable[[
                             sinks.record(json.loads(line))
                         except ValueError:  # not JSON: the ingest skips such a line too
                             pass
-                    if on_progress is not None and ('"kind":"step"' in line or '"kind":"eval"' in line):
+                    if on_progress is not None and ('"kind":"step"' in line or '"kind":"eval"' in line
+                                                    or any(f'"event":"{e}"' in line for e in PROGRESS_EVENTS)):
                         on_progress(json.loads(line))
             if done:
                 return

@@ -29,7 +29,8 @@ from ddlscope.runtime.attach import (
     ATTACHED_EVENT, LAUNCHER_LOGS_ENV, RUN_DIR_ENV, RUN_NAME_ENV, TRACE_STEPS_ENV, create_attached_run, current_meter)
 from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.launcher import (
-    HANG_STARTUP_S, RDZV_ID, _environment_variable, end_hung_run, first_failure, start_progress, launch_processes)
+    HANG_STARTUP_S, RDZV_ID, _environment_variable, end_hung_run, first_failure, launch_processes, start_progress,
+    storing_rows)
 from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, read_records, run_dir_for
 from ddlscope.runtime.sinks import SinkChoice, run_label
 from ddlscope.specs import ConfigError
@@ -114,6 +115,7 @@ def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, 
             raise ConfigError(f"{script.name} ended without measuring a step: call ddlscope.attach(model, optimizer) "
                               "and mark steps with `with meter.step():` (docs/attach.md)")
         raise ConfigError(f"{script.name} failed before its first measured step: {error}")
+    storing_rows(on_progress)
     result = _store(store_path, run_id, run_dir, nprocs, status, error, watchdog.message)
     result.logs, result.log_errors = (logging_to.places if logging_to else {}), log_errors
     return result
