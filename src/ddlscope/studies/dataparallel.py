@@ -12,7 +12,8 @@ updates (`+hogbatch`, Hogbatch) where a straggler makes speeds differ.
 The report gives per cell throughput, exposed communication, bytes
 per step, accuracy at equal samples and time to the target accuracy, the
 papers' claims against what was measured, and which strategy wins in which
-regime, with the numbers behind each verdict. The full study also runs DDP with each
+regime, with the numbers behind each verdict. --quick keeps every strategy, in fewer regimes and
+seeds. The full study also runs DDP with each
 gradient compression hook (slow network), localsgd's bf16 average, and DDP's bucket plans (one per
 layer, MG-WFBP) on both networks; --quick runs ddp+topk and ddp+mgwfbp on the slow one.
 """
@@ -121,9 +122,11 @@ class DataParallelStudy(Study):
         if quick:
             # The slow network is where synchronising less pays; the straggler where waiting costs (ps-async's
             # seeds there are in the main study's quick cells and in the full one here).
-            cells = [cell(s, "slow", "homogeneous") for s in ("ddp", "localsgd", "cocod", f"hpsgd+{MOMENTUM_COMPENSATED}",
-                                                               "diloco", "osp")]
+            # Every strategy the study is about has a cell (fewer regimes and seeds, not fewer strategies).
+            cells = [cell(s, "slow", "homogeneous") for s in ("ddp", "ps-async", "localsgd", "cocod",
+                                                               f"hpsgd+{MOMENTUM_COMPENSATED}", "diloco", "osp", "gossip")]
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
+            cells.append(cell("omnivore+g2", "slow", "straggler", world=OMNIVORE_WORKERS))
         else:
             cells = [cell(s, network, workers) for network, workers in REGIMES for s in REFERENCES + SUBJECTS]
             cells += [cell("gossip+async", network, "straggler") for network in NETWORKS]
