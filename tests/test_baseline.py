@@ -4,6 +4,7 @@ schedule (steps, evaluations); a workload that computes another step is not it."
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from ddlscope.analysis.summary import find_single_baseline
 from ddlscope.store import Store
@@ -29,3 +30,17 @@ def test_the_baseline_may_train_for_another_number_of_steps(tmp_path: Path) -> N
         assert find_single_baseline(store, store.get_run(str(ddp))).id == single
         assert find_single_baseline(store, store.get_run(str(other))) is None  # no single run at batch 32
         assert find_single_baseline(store, store.get_run(str(single))) is None  # a baseline has none
+
+
+def test_one_network_emulated_at_different_scales_is_flagged(tmp_path: Path) -> None:
+    from ddlscope.analysis.summary import emulation_scale_notes
+
+    def run(run_id: int, profile: str, factor: float | None):
+        network = {"profile": profile, "emulated": True, "scaled": factor is not None, "scale_factor": factor}
+        return SimpleNamespace(id=run_id, environment={"network": network})
+
+    alike = [run(1, "slow", 1000.0), run(2, "slow", 1090.0), run(3, "fast", 50.0)]
+    assert emulation_scale_notes(alike) == []  # within 10%: one emulated network
+    (note,) = emulation_scale_notes([*alike, run(4, "slow", 601.0), run(5, "fast", None)])
+    assert note.startswith("network 'slow' was emulated at different scales here: x1/601 (run 4) to x1/1090 (run 2)")
+    assert "1.81x" in note

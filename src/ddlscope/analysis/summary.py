@@ -383,3 +383,28 @@ def _notes(run: Run) -> list[str]:
     if run.shown_status != "finished":
         notes.append(f"run is {run.shown_status}: figures cover only the rows that were recorded")
     return notes
+
+
+# Emulated bandwidths scaled to this machine's measured FLOP/s this far apart are flagged when compared.
+SCALE_SPREAD = 0.10
+
+
+def emulation_scale_notes(runs: list[Run]) -> list[str]:
+    """A note per emulated network whose runs were scaled by factors more than SCALE_SPREAD apart.
+
+    A `scaled` network divides its bandwidth by the target GPU's FLOP/s over this machine's, measured
+    when each run starts, so the same profile emulates a slower or faster link as the machine's load
+    changes; the communication of such runs differs by that much before any strategy does."""
+    factors: dict[str, list[tuple[float, Run]]] = {}
+    for run in runs:
+        network = (getattr(run, "environment", None) or {}).get("network", {})
+        if network.get("emulated") and network.get("scaled") and network.get("scale_factor"):
+            factors.setdefault(str(network["profile"]), []).append((float(network["scale_factor"]), run))
+    notes = []
+    for profile, found in sorted(factors.items()):
+        (low, low_run), (high, high_run) = min(found, key=lambda f: f[0]), max(found, key=lambda f: f[0])
+        if high > low * (1 + SCALE_SPREAD):
+            notes.append(f"network '{profile}' was emulated at different scales here: x1/{low:.0f} (run {low_run.id}) "
+                         f"to x1/{high:.0f} (run {high_run.id}), as this machine's measured FLOP/s varied with its "
+                         f"load; their communication times differ by up to {high / low:.2f}x before any strategy does")
+    return notes

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import jinja2
 
 from ddlscope import __version__
-from ddlscope.analysis.summary import PHASES, Summary, aggregate_steps, summarize
+from ddlscope.analysis.summary import PHASES, Summary, aggregate_steps, emulation_scale_notes, summarize
 from ddlscope.report import figures
 from ddlscope.store import Run, Store
 
@@ -394,7 +394,7 @@ def runs_report(store: Store, runs: list[Run], title: str) -> str:
         "phases": [p.removesuffix("_s") for p in PHASES],
         "breakdowns": [{"label": d.label, "ms": [d.summary.breakdown_mean_s.get(p) for p in PHASES],
                         "fractions": [d.summary.breakdown_fraction.get(p) for p in PHASES]} for d in data],
-        "notes": _merge_notes((d.label, n) for d in data for n in d.summary.notes),
+        "notes": emulation_scale_notes(runs) + _merge_notes((d.label, n) for d in data for n in d.summary.notes),
         "fig_throughput": _fig_throughput(data),
         "fig_scaling": _fig_scaling(series),
         "fig_breakdown": _fig_breakdown(data),

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from ddlscope.analysis.summary import Summary, summarize
+from ddlscope.analysis.summary import Summary, emulation_scale_notes, summarize
 from ddlscope.runtime.config import experiment_from_dict, experiment_to_dict
 from ddlscope.specs import Experiment, is_baseline
 from ddlscope.store import Run, Store
@@ -182,8 +182,10 @@ def _baseline_for(result: CellResult, baselines: list[CellResult]) -> CellResult
 
 
 def measurement_notes(results: list[CellResult]) -> list[str]:
-    """The run notes a study should repeat: shared cores and emulated networks, once each."""
-    return sorted({n for r in results for n in r.summary.notes if "shared" in n or "emulated" in n})
+    """The run notes a study should repeat: shared cores and emulated networks, once each, and whether one
+    emulated network was scaled differently across the cells (then their communication is not comparable)."""
+    return (emulation_scale_notes([r.run for r in results])
+            + sorted({n for r in results for n in r.summary.notes if "shared" in n or "emulated" in n}))
 
 
 def median_or_none(values: list[float | None]) -> float | None:
