@@ -174,7 +174,8 @@ def test_analysis_names_the_fastest_and_most_accurate_cells_by_their_seeds_media
     findings = study.analyse(results)
     assert findings.headlines == []
     assert findings.decisions == [
-        "Highest throughput: fsdp (6400 samples/s, 5.0 ms per step, 2.00x the one-process cell).",
+        "Highest throughput: fsdp (6400 samples/s, 5.0 ms per step, 2.00x the one-process cell). Next: single. One "
+        "seed per cell, so the spread is unknown: set repeats (or --repeats 3) to tell a lead from run-to-run noise.",
         "Highest accuracy: 80.0%, ddp."]
     assert any("3 seeds" in n for n in findings.notes)
     tied = study.analyse([_result("single", "single", 0.010, 0.5), _result("ddp", "ddp", 0.02, 0.5),
@@ -182,6 +183,42 @@ def test_analysis_names_the_fastest_and_most_accurate_cells_by_their_seeds_media
     assert tied.decisions[1] == "Highest accuracy: 50.0%, single, ddp, ssp."
     same = study.analyse([_result("single", "single", 0.010, 0.5), _result("ddp", "ddp", 0.02, 0.5)])
     assert same.decisions[1] == "Highest accuracy: 50.0%, all 2 cells."
+
+
+def test_a_lead_within_the_seeds_spread_is_noise_and_a_clear_one_is_a_finding(tmp_path):
+    study, _ = _sweep(tmp_path, f'name = "n"\nrepeats = 2\ntarget_accuracy = 0.75\n[base]\n{TINY_WORKLOAD}\n'
+                                '[grid]\n"strategy.name" = ["ddp"]')
+    seeds = lambda key, strategy, steps, accuracies: [  # noqa: E731
+        _result(key if i == 0 else f"{key}/seed{i}", strategy, step, acc, key) for i, (step, acc) in
+        enumerate(zip(steps, accuracies))]
+    # ddp's median is faster, but its slower seed is slower than fsdp's faster one: noise
+    noisy = study.analyse(seeds("ddp", "ddp", (0.010, 0.016), (0.8, 0.8)) + seeds("fsdp", "fsdp", (0.014, 0.015), (0.8, 0.8)))
+    assert noisy.decisions[0].startswith("Highest throughput: ddp (")
+    assert "Within noise of fsdp: their seeds overlap (ddp 2000-3200, fsdp 2133-2286 samples/s); no winner." \
+        in noisy.decisions[0]
+    clear = study.analyse(seeds("ddp", "ddp", (0.010, 0.011), (0.8, 0.8)) + seeds("fsdp", "fsdp", (0.014, 0.015), (0.8, 0.8)))
+    assert "Ahead of fsdp on every seed (ddp 2909-3200, fsdp 2133-2286 samples/s)." in clear.decisions[0]
+    assert clear.decisions[1] == "No cell reached 75% accuracy."  # these cells have no evaluation curve
+    # the race to the target: fsdp reaches 75% sooner on both seeds
+    raced = seeds("ddp", "ddp", (0.010, 0.011), (0.8, 0.8)) + seeds("fsdp", "fsdp", (0.014, 0.015), (0.8, 0.8))
+    for r, reached_s in zip(raced, (3.0, 3.2, 2.0, 2.1)):
+        r.cell.labels["target_metric"] = 0.75
+        r.summary.eval_curve = [{"wall_s": reached_s / 2, "metric": 0.5}, {"wall_s": reached_s, "metric": 0.8}]
+    first = study.analyse(raced).decisions[1]
+    assert first == ("First to 75% accuracy: fsdp (2.0 s of training). Ahead of ddp on every seed (fsdp 2-2.1, "
+                     "ddp 3-3.2 s).")
+    assert "to target s" in study.cell_columns
+
+
+def test_a_busy_machine_is_named_in_the_notes(tmp_path):
+    from ddlscope.studies.sweep import load_notes
+
+    quiet, busy = _result("ddp", "ddp", 0.01, 0.5), _result("fsdp", "fsdp", 0.01, 0.5)
+    quiet.run.environment = {"load_average_1m": 0.4, "cores": 2}
+    busy.run.environment = {"load_average_1m": 7.0, "cores": 2}
+    assert load_notes([quiet]) == []
+    (note,) = load_notes([quiet, busy])
+    assert note.startswith("The machine was busy: 1 of 2 cells") and "up to 7.0 on 2 cores, at fsdp" in note
 
 
 # ---------------------------------------------------------------------------- the command

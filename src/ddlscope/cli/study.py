@@ -108,12 +108,15 @@ def sweep(
                                          "[grid] of dotted fields and their values (docs/user-guide.md).")],
     fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
+    repeats: Annotated[Optional[int], typer.Option(
+        "--repeats", help="Seeds per cell instead of the file's `repeats` (medians and spreads; a lead within "
+                          "the spread is called noise).")] = None,
     db: DbOption = DEFAULT_DB,
 ) -> None:
     """Run a grid of experiments (reusing cells already in the store), then print and write its report."""
     from ddlscope.studies.sweep import load_sweep
 
-    study, cells = load_sweep(grid)  # every cell validated before the first one starts
+    study, cells = load_sweep(grid, repeats)  # every cell validated before the first one starts
     for cell in cells:  # and each one runnable here: no cell fails after the others have run
         check_run_outputs(cell.experiment)
         check_local_ranks(cell.experiment)

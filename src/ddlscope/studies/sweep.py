@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import statistics
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -48,6 +49,8 @@ class SweepSpec(BaseModel):
 
     name: str = Field(description="names the runs NAME:KEY and the report NAME-report.html")
     repeats: int = Field(1, ge=1, le=MAX_REPEATS, description="seeds per cell: the base seed, then +1, +2, ...")
+    target_accuracy: float | None = Field(None, gt=0, le=1, description="an accuracy each cell races to: the table "
+                                          "and the report give each cell's training time to reach it")
     base: dict[str, Any] = Field(default_factory=dict, description="the experiment every cell starts from")
     grid: dict[str, list[Any]] = Field(description="dotted field -> the values it takes")
 
@@ -90,9 +93,12 @@ class SweepSpec(BaseModel):
 remember_spec_class(SweepSpec)  # an unknown top-level key is answered with the allowed ones
 
 
-def load_sweep(path: str | Path) -> tuple[SweepStudy, list[Cell]]:
-    """The sweep in a TOML file and its cells, every one validated; ConfigError (one line) otherwise."""
+def load_sweep(path: str | Path, repeats: int | None = None) -> tuple[SweepStudy, list[Cell]]:
+    """The sweep in a TOML file and its cells, every one validated; ConfigError (one line) otherwise.
+    `repeats`: seeds per cell instead of the file's (`sweep --repeats`)."""
     raw = read_toml(path)
+    if repeats is not None and isinstance(raw, dict):
+        raw = {**raw, "repeats": repeats}
     try:
         spec = SweepSpec.model_validate(raw)
     except ValidationError as err:
@@ -112,6 +118,8 @@ class SweepStudy(Study):
 
     def __init__(self, spec: SweepSpec):
         self.spec = spec
+        if spec.target_accuracy is not None:  # the race to the target is the question: its column beside accuracy
+            self.cell_columns = ("step ms", "samples/s", "speedup", "accuracy", "to target s", "wall s", "staleness")
 
     @property
     def name(self) -> str:
@@ -120,13 +128,14 @@ class SweepStudy(Study):
     def cells(self, quick: bool = False, repeats: int | None = None) -> list[Cell]:
         """Every distinct cell of the grid, one-process cells first (the others' summaries find them
         as their speedup baseline), then the same cells again for each further seed."""
-        first = [_first_seed_cell(key, applied, raw) for key, applied, raw in expand_grid(self.spec)]
+        first = [_first_seed_cell(key, applied, raw, self.spec.target_accuracy)
+                 for key, applied, raw in expand_grid(self.spec)]
         first.sort(key=lambda c: not c.experiment.strategy.traits.single_process)  # stable: grid order otherwise
         return first + [_reseeded(c, r) for r in range(1, repeats or self.spec.repeats) for c in first]
 
     def analyse(self, results: list[CellResult], quick: bool = False) -> Findings:
-        decisions = _decisions(results)
-        notes = measurement_notes(results)
+        decisions = _decisions(results, self.spec.target_accuracy)
+        notes = measurement_notes(results) + load_notes(results)
         if self.spec.repeats > 1:
             notes.append(f"Each cell ran with {self.spec.repeats} seeds; the lines above read the medians of a "
                          "cell's seeds, and the cell table lists every seed.")
@@ -210,7 +219,7 @@ def _show(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)  # true, 0.1, [1,2], {"profile":"slow"}
 
 
-def _first_seed_cell(key: str, applied: dict[str, Any], raw: dict[str, Any]) -> Cell:
+def _first_seed_cell(key: str, applied: dict[str, Any], raw: dict[str, Any], target: float | None = None) -> Cell:
     try:
         exp = experiment_from_dict(raw)
     except ConfigError as err:
@@ -219,6 +228,8 @@ def _first_seed_cell(key: str, applied: dict[str, Any], raw: dict[str, Any]) -> 
               "network": exp.cluster.network.profile,
               "workers": "straggler" if any(f > 1 for f in exp.cluster.slowdown) else "homogeneous",
               "group": key, "seed": 0, "grid": applied}
+    if target is not None:
+        labels["target_metric"] = target
     return Cell(key, labels, exp)
 
 
@@ -231,8 +242,9 @@ def _reseeded(cell: Cell, repeat: int) -> Cell:
 
 
 # ---------------------------------------------------------------------------- analysis
-def _decisions(results: list[CellResult]) -> list[str]:
-    """Which cell went fastest and which trained best, by the medians of each cell's seeds."""
+def _decisions(results: list[CellResult], target: float | None = None) -> list[str]:
+    """Which cell went fastest (and reached the target first) and which trained best, by the medians of
+    each cell's seeds; a lead within the seeds' spread is called noise, not a finding."""
     groups: dict[str, list[CellRow]] = {}
     for result, row in zip(results, cell_rows(results)):
         groups.setdefault(str(result.cell.labels.get("group", result.cell.key)), []).append(row)
@@ -246,14 +258,60 @@ def _decisions(results: list[CellResult]) -> list[str]:
     if fastest:
         speedup = median(fastest, "speedup")
         versus = f", {speedup:.2f}x the one-process cell" if speedup and fastest not in baselines else ""
-        out.append(f"Highest throughput: {fastest} ({median(fastest, 'throughput'):.0f} samples/s, "
-                   f"{(median(fastest, 'step_s') or 0) * 1e3:.1f} ms per step{versus}).")
+        line = (f"Highest throughput: {fastest} ({median(fastest, 'throughput'):.0f} samples/s, "
+                f"{(median(fastest, 'step_s') or 0) * 1e3:.1f} ms per step{versus}).")
+        out.append(line + _against_the_runner_up(groups, fastest, "throughput", "samples/s", higher=True))
+    if target is not None:
+        first = _best(groups, lambda g: -t if (t := median(g, "time_to_target_s")) is not None else None)
+        out.append(f"First to {target:.0%} accuracy: {first} ({median(first, 'time_to_target_s'):.1f} s of training)."
+                   + _against_the_runner_up(groups, first, "time_to_target_s", "s", higher=False) if first else
+                   f"No cell reached {target:.0%} accuracy.")
     most_accurate = _tied_best(groups, lambda g: median(g, "accuracy"))
     if most_accurate:
         # Synchronous strategies compute the same SGD: their accuracies tie, and saying so is the finding.
         who = (f"all {len(groups)} cells" if len(most_accurate) == len(groups) > 1 else ", ".join(most_accurate))
         out.append(f"Highest accuracy: {median(most_accurate[0], 'accuracy'):.1%}, {who}.")
     return out
+
+
+def _against_the_runner_up(groups: dict[str, list[CellRow]], best: str, column: str, unit: str,
+                           higher: bool) -> str:
+    """Whether `best` leads the next cell by more than their seeds scatter: '' without a runner-up."""
+    def values(group: str) -> list[float]:
+        return [v for row in groups[group] if (v := getattr(row, column)) is not None]
+
+    def rank(group: str) -> float:
+        return statistics.median(values(group)) * (1 if higher else -1)
+
+    rivals = sorted((g for g in groups if g != best and values(g)), key=rank, reverse=True)
+    if not rivals:
+        return ""
+    runner, mine, theirs = rivals[0], values(best), values(rivals[0])
+    if len(mine) < 2 or len(theirs) < 2:
+        return (f" Next: {runner}. One seed per cell, so the spread is unknown: set repeats (or --repeats 3) to "
+                "tell a lead from run-to-run noise.")
+    clear = min(mine) > max(theirs) if higher else max(mine) < min(theirs)
+    spans = f"{best} {min(mine):.4g}-{max(mine):.4g}, {runner} {min(theirs):.4g}-{max(theirs):.4g} {unit}"
+    if clear:
+        return f" Ahead of {runner} on every seed ({spans})."
+    return f" Within noise of {runner}: their seeds overlap ({spans}); no winner."
+
+
+# A load average above this share of the cores during a cell means other work ran beside it.
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def load_notes(results: list[CellResult]) -> list[str]:
+    """A warning when the machine was busy as cells started (load average recorded with each run)."""
+    busy = [(r.cell.key, env["load_average_1m"], env.get("cores") or 1) for r in results
+            if (env := getattr(r.run, "environment", None) or {}).get("load_average_1m") is not None
+            and env["load_average_1m"] > BUSY_LOAD_PER_CORE * (env.get("cores") or 1)]
+    if not busy:
+        return []
+    key, load, cores = max(busy, key=lambda b: b[1])
+    return [f"The machine was busy: {len(busy)} of {len(results)} cells started at a load average above "
+            f"{BUSY_LOAD_PER_CORE:g} per core (up to {load:.1f} on {cores} cores, at {key}); their times include "
+            "other work, so compare them with care or rerun on an idle machine."]
 
 
 def _best(groups: dict[str, Any], value: Callable[[str], float | None]) -> str | None:
