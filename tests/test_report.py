@@ -276,3 +276,25 @@ def test_study_scaling_series_starts_at_the_one_process_cell_and_uses_effective_
     series = _study_scaling_series([c for c, _ in pairs], [d for _, d in pairs])
     # 0.080 / 0.050 / 2 and 0.080 / 0.025 / 4, not the wall-clock 0.1
     assert series == {"ddp · fast · homogeneous": {1: 1.0, 2: pytest.approx(0.8), 4: pytest.approx(0.8)}}
+
+
+def test_a_figure_that_does_not_apply_gets_no_bar_label_and_axes_show_plain_values(monkeypatch):
+    import matplotlib.axes
+
+    from ddlscope.report import figures
+
+    labels: list[str] = []
+    original = matplotlib.axes.Axes.annotate
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate",
+                        lambda self, text, *a, **k: (labels.append(text), original(self, text, *a, **k))[1])
+    assert figures.throughput_speedup(["single", "ddp", "memory"], [100.0, 180.0, 5.0], [1.0, 1.8, None])
+    assert labels == ["100", "180", "5.00", "1.00x", "1.80x"]  # the memory cell's speedup: no "n/a" bar
+    # a perplexity of 27.588951 to 27.588952 reads as itself, not as "1e-6 + 2.758895e1"
+    import matplotlib.pyplot as plt
+
+    with plt.rc_context(figures._STYLE):
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [27.588951, 27.588952])
+        fig.canvas.draw()
+        assert ax.yaxis.get_major_formatter().get_offset() == ""
+        plt.close(fig)

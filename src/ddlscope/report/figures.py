@@ -37,6 +37,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _STYLE: dict[str, Any] = {
+    # No offset on axes: a perplexity axis read "1e-6+2.758895e1", its ticks the differences from it.
+    "axes.formatter.useoffset": False,
     "font.family": "DejaVu Sans",
     "font.size": 9,
     "axes.titlesize": 10,
@@ -162,7 +164,9 @@ def throughput_speedup(labels: Sequence[str], throughput: Sequence[float | None]
     for ax, values, ylabel, title in panels:
         bars = ax.bar(range(len(labels)), [0 if math.isnan(v) else v for v in values], color=colors, width=0.7)
         for bar, v in zip(bars, values):
-            ax.annotate("n/a" if math.isnan(v) else _fmt(v) + ("x" if title.startswith("speedup") else ""),
+            if math.isnan(v):  # a figure that does not apply to this cell: no bar, no label
+                continue
+            ax.annotate(_fmt(v) + ("x" if title.startswith("speedup") else ""),
                         (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=7, xytext=(0, 2), textcoords="offset points")
         if title.startswith("speedup"):

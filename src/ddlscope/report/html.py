@@ -495,7 +495,9 @@ def study_report(store: Store, title: str, cells: list[dict], headlines: list[di
         "fig_memory": _fig_memory(memory, "memory by category per rank (memory cells)") if memory else [],
         "fig_curves": curve_figs,
         "fig_staleness": stale_uri, "fig_server_share": share_uri,
-        "fig_breakdown": _fig_breakdown(data),
+        # memory cells time nothing comparable: their seconds-long GPT steps made the others slivers
+        "fig_breakdown": _fig_breakdown([d for c, d in zip(cells, data)
+                                         if c.get("labels", {}).get("part") != "memory"]),
     }
     return _env().get_template("study.html").render(**context)
 
