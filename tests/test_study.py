@@ -168,7 +168,17 @@ def test_paper_analysis_turns_numbers_into_headlines_and_decisions():
     assert "resnet50" in by_name["DDP speedup over one device"]["predicted"]
     assert "predicted" in by_name["DDP speedup over one device"]["verdict"]
     assert "predicted on the paper's clusters" not in findings.text and "predicted there:" in findings.text
-    assert any("fast network: ddp" in d for d in findings.decisions)
+    assert any("fast network: ddp, the first of the 2-worker strategies to reach 95% accuracy (0.4 s" in d
+               for d in findings.decisions)
+    slow = next(d for d in findings.decisions if "slow network" in d and "Homogeneous" in d)
+    assert "One process got there sooner (1.0 s)" in slow  # ddp on the slow network took 2.0 s
+    assert "One process" not in next(d for d in findings.decisions if "fast network: ddp" in d)
+    # an async loss past the paper's range, that lowering momentum did not recover: not blamed on momentum
+    lost = [r for r in results if r.cell.labels["strategy"] not in ("ps-async", "ps-stale-aware")] + [
+        acc("ps-async", "fast", "straggler", 0.020, 2.0, 0.70), acc("ps-async+mc", "fast", "straggler", 0.020, 2.0, 0.65)]
+    verdict = {h["headline"]: h for h in STUDIES.get("paper")().analyse(lost, quick=True).headlines}[
+        "Async PS vs sync PS"]["verdict"]
+    assert "lowering momentum did not recover it (65.0%): staleness itself" in verdict
     assert any("Memory-bound" in d and "0.25x" in d for d in findings.decisions)
     assert any("ssp reached it in 2.2 s" in d for d in findings.decisions)
 
