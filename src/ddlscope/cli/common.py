@@ -20,7 +20,7 @@ from ddlscope.store import BUSY_TIMEOUT_ENV, DEFAULT_DB, Store, StoreError, is_b
 
 __all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "check_local_ranks", "check_output_folder",
            "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters", "one_line",
-           "json_option", "max_ranks_per_node", "open_store", "print_error", "require_store", "run_app",
+           "json_option", "max_ranks_per_node", "open_store", "print_error", "progress_phase", "require_store", "run_app",
            "wide_when_piped"]
 
 # The CLI's two consoles: results on stdout, notes and errors on stderr. No emoji codes: a model named
@@ -204,3 +204,25 @@ def check_run_outputs(exp: Any) -> None:
 def has_control_characters(text: str) -> bool:
     """True when `text` holds a newline, tab or other control character (a script line of its own)."""
     return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+# ---------------------------------------------------------------------------- progress
+# What a progress display says after rank 0 records one of these events (runtime/launcher.PROGRESS_EVENTS).
+PHASE_OF_EVENT = {"started": "starting ranks", "train_start": "training", "checkpoint": "training",
+                  "train_end": "finishing"}
+
+
+def progress_phase(row: dict[str, Any], total_steps: int | None = None) -> str | None:
+    """The phase a launcher's progress row shows (runtime/launcher.start_progress): a step means training
+    (evaluating and saving after the last one), an event its phase, the launcher's own phase as it is;
+    None for an evaluation, which changes no phase."""
+    kind = row.get("kind")
+    if kind == "phase":
+        return str(row["phase"])
+    if kind == "event":
+        return PHASE_OF_EVENT.get(str(row.get("event")), "training")
+    if kind == "step":
+        last = total_steps is not None and row["step"] + 1 >= total_steps
+        return "evaluating, saving" if last else "training"
+    return None
+

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, check_local_ranks, check_output_folder,
-                                 check_run_outputs, console, err_console, json_option, open_store)
+                                 check_run_outputs, console, err_console, json_option, open_store, progress_phase)
 from ddlscope.specs import is_baseline
 from ddlscope.store import Run, Store, StoreError
 
@@ -202,11 +202,6 @@ def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json
         raise typer.Exit(130 if result.status == "interrupted" else 1)
 
 
-# What the progress line says after rank 0 records one of these events (runtime/launcher.PROGRESS_EVENTS).
-_PHASE_OF_EVENT = {"started": "starting ranks", "train_start": "training", "checkpoint": "training",
-                   "train_end": "finishing"}
-
-
 class _progress:
     """A rich progress bar fed by the launcher's row follower; nothing when disabled."""
 
@@ -228,18 +223,14 @@ class _progress:
 
         def update(row: dict[str, Any]) -> None:
             assert self.bar is not None
-            kind = row["kind"]
-            if kind == "phase":
-                self.bar.update(task, description=row["phase"])
-            elif kind == "event":
-                self.bar.update(task, description=_PHASE_OF_EVENT.get(row["event"], "training"))
-            elif kind == "eval":
+            phase = progress_phase(row, self.total)
+            if row["kind"] == "eval":
                 self.bar.update(task, metric=f"{row['metric_name']} {row['metric']:.4g}")
-            else:
+            elif row["kind"] == "step":
                 rate = f"{row['samples'] / row['step_s']:.0f} samples/s/rank" if row["step_s"] > 0 else ""
-                last = self.total is not None and row["step"] + 1 >= self.total
-                self.bar.update(task, completed=row["step"] + 1, loss=f"{row['loss']:.4f}", rate=rate,
-                                description="evaluating, saving" if last else "training")
+                self.bar.update(task, completed=row["step"] + 1, loss=f"{row['loss']:.4f}", rate=rate)
+            if phase is not None:
+                self.bar.update(task, description=phase)
 
         return update
 

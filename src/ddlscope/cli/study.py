@@ -7,7 +7,7 @@ notes, and the one line of a cell that failed (exit 1; a rerun resumes).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_local_ranks, check_run_outputs, console,
-                                 err_console)
+                                 err_console, progress_phase)
 from ddlscope.specs import ConfigError
 
 # Seeds of each cell whose outcome varies from run to run: three for the full study's medians, two for
@@ -155,16 +155,28 @@ def run_study_command(kind: str, study: Study, name: str, cells: list[Cell], db:
                   console=console, disable=not show) as bar:
         task = bar.add_task("cells", total=len(cells), label=kind)
 
+        current = {"key": ""}
+
         def on_cell(index: int, cell: Cell, state: str) -> None:
+            current["key"] = cell.key
             bar.update(task, completed=index, label=escape(f"{cell.key} ({state})"))
             if not show:  # a log, one line per cell, where no bar can be drawn
                 err_console.print(f"[{index + 1}/{len(cells)}] {cell.key}: {state}", markup=False, highlight=False)
 
+        def on_row(row: dict[str, Any]) -> None:
+            """A running cell's phase, so that its ranks' start, training and ingest never look stalled."""
+            phase = progress_phase(row)
+            if phase == "training" and row["kind"] == "step":
+                phase = f"training, step {row['step'] + 1}"
+            if phase:
+                bar.update(task, label=escape(f"{current['key']} ({phase})"))
+
         def on_analysis() -> None:
-            bar.update(task, completed=len(cells), label="analysis")
+            bar.update(task, completed=len(cells), label="analysis and report")
 
         try:
-            outcome = run_study(study, name, cells, db, fresh, report_path, title, quick, on_cell, on_analysis)
+            outcome = run_study(study, name, cells, db, fresh, report_path, title, quick, on_cell, on_analysis,
+                                on_row if show else None)
         except StudyCellFailed as exc:
             err_console.print(f"{kind} {name} stopped: {exc}; rerun to resume", markup=False, highlight=False,
                               soft_wrap=True)

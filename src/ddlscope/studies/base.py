@@ -86,11 +86,13 @@ def find_reusable(store: Store, name: str, exp: Experiment) -> Run | None:
 
 
 def run_cells(study_name: str, cells: list[Cell], db: Path, fresh: bool,
-              on_cell: Callable[[int, Cell, str], None] | None = None) -> list[CellResult]:
+              on_cell: Callable[[int, Cell, str], None] | None = None,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> list[CellResult]:
     """Run every cell not already in the store (all of them with fresh=True).
 
     A cell that fails stops the study: its run stays in the store as failed,
-    and the next invocation reruns it while reusing the finished ones.
+    and the next invocation reruns it while reusing the finished ones. `on_row`: what a running
+    cell's launcher reports (its steps and phases, runtime/launcher.py), for a progress display.
     """
     from ddlscope.runtime.launcher import launch
 
@@ -103,7 +105,7 @@ def run_cells(study_name: str, cells: list[Cell], db: Path, fresh: bool,
         if on_cell:
             on_cell(index, cell, "reused" if existing else "running")
         if existing is None:
-            outcome = launch(cell.experiment, db)
+            outcome = launch(cell.experiment, db, on_progress=on_row)
             if outcome.status != "finished":
                 raise StudyCellFailed(f"cell {cell.key} {outcome.status}: {outcome.error} "
                                       f"(run {outcome.run_id}; worker logs in {outcome.run_dir / 'logs'})")

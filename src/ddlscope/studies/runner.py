@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ddlscope.studies.base import Cell, CellResult, Findings, Study, cell_rows, run_cells
 from ddlscope.store import Store
@@ -27,14 +27,16 @@ class StudyOutcome:
 
 def run_study(study: Study, name: str, cells: list[Cell], db: Path, fresh: bool, report_path: Path, title: str,
               quick: bool = False, on_cell: Callable[[int, Cell, str], None] | None = None,
-              on_analysis: Callable[[], None] | None = None) -> StudyOutcome:
+              on_analysis: Callable[[], None] | None = None,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> StudyOutcome:
     """Run the cells not already in the store, analyse them all and write the report to `report_path`.
 
     `on_cell(index, cell, state)` is called as each cell starts ("running" or
-    "reused"), `on_analysis()` once they are all done. A failed cell raises
+    "reused"), `on_row(row)` with a running cell's steps and phases, `on_analysis()` once they are all
+    done. A failed cell raises
     StudyCellFailed before anything is analysed; rerunning resumes.
     """
-    results = run_cells(name, cells, db, fresh, on_cell)
+    results = run_cells(name, cells, db, fresh, on_cell, on_row)
     if on_analysis:
         on_analysis()
     findings = study.analyse(results, quick)
