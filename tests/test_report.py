@@ -298,3 +298,12 @@ def test_a_figure_that_does_not_apply_gets_no_bar_label_and_axes_show_plain_valu
         fig.canvas.draw()
         assert ax.yaxis.get_major_formatter().get_offset() == ""
         plt.close(fig)
+
+
+def test_a_verdict_is_its_word_and_the_details_below():
+    from ddlscope.report.html import verdict_parts
+
+    assert verdict_parts("agrees: async is faster; the loss exceeds the paper's") == (
+        "agrees", "async is faster; the loss exceeds the paper's")
+    assert verdict_parts("partly; accuracy recovered") == ("partly", "accuracy recovered")
+    assert verdict_parts("agrees") == ("agrees", "")

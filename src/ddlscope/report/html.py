@@ -348,9 +348,19 @@ def _env() -> jinja2.Environment:
             autoescape=jinja2.select_autoescape(enabled_extensions=("html", "htm", "xml"), default=True),
             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
         )
-        env.filters.update(num=fmt_num, ms=fmt_ms, secs=fmt_s, pct=fmt_pct, x=fmt_x, bytes=fmt_bytes, when=_when)
+        env.filters.update(num=fmt_num, ms=fmt_ms, secs=fmt_s, pct=fmt_pct, x=fmt_x, bytes=fmt_bytes, when=_when,
+                           verdict_parts=verdict_parts)
         _ENV = env
     return _ENV
+
+
+def verdict_parts(verdict: str) -> tuple[str, str]:
+    """A verdict's word (agrees, differs, partly, ...) and the details after it, so that a page shows the
+    one and puts the other below it rather than a paragraph in bold."""
+    cut = min((i for i in (verdict.find(":"), verdict.find(";")) if i >= 0), default=-1)
+    if cut < 0:
+        return verdict, ""
+    return verdict[:cut].strip(), verdict[cut + 1:].strip()
 
 
 def _summary_row(d: RunData) -> dict[str, Any]:
