@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from conftest import SRC, run_cli
-from test_reliability import finish, no_process_left, records, start, wait_until
+from test_reliability import finish, kill_all, no_process_left, records, start, wait_until
 
 ROOT = SRC.parent
 EXAMPLE = ROOT / "examples" / "torchrun_ddp.py"
@@ -232,11 +232,7 @@ def test_a_stopped_rank_of_a_launched_script_is_named_by_the_watchdog(tmp_path: 
     try:
         code, _, err = finish(proc, 90)
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(pids)
     assert code == 1
     message = err.strip().splitlines()[-1]
     assert "hang" in message and "rank 1 (process stopped: SIGSTOP?)" in message, message

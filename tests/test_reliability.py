@@ -104,6 +104,15 @@ def summary(tmp_path: Path, run_id: int) -> dict:
     return json.loads(shown.stdout)
 
 
+def kill_all(pids: list[int]) -> None:
+    """SIGKILL each of `pids` that is still there (a stopped rank takes nothing gentler)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def no_process_left(pids: list[int]) -> bool:
     def alive(pid: int) -> bool:
         try:
@@ -190,11 +199,7 @@ def test_a_stopped_rank_ends_the_run_within_the_watchdog_timeout(tmp_path):
     try:
         code, _, err = finish(proc, 90)
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(pids)
     took_s = time.monotonic() - stopped_at
     assert code == 1
     assert 3 <= took_s < 30, f"the run ended {took_s:.1f} s after the stop (timeout 3 s)"
