@@ -34,6 +34,7 @@ Nothing is written before the first step, so a script that fails earlier leaves 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import math
 import os
@@ -58,6 +59,7 @@ from ddlscope.runtime.timer import PhaseTimer
 from ddlscope.runtime.trace import StepTracer, traces_dir_for
 from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB
+from ddlscope.workloads.model_table import flat_tensors
 from ddlscope.strategies.base import AttachedCommStats
 from ddlscope.strategies.comm import CommRecorder
 
@@ -358,7 +360,7 @@ class Meter:
         if self._step is None or not torch.is_grad_enabled():
             return
         self._output_loss = _loss_in(output)
-        for tensor in _tensors_in(output):
+        for tensor in flat_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._on_output_gradient)
 
@@ -390,7 +392,7 @@ class Meter:
         backward; attention through the math kernel on CPU, which FlopCounterMode counts)."""
         if self._counter is not None or len(self._counted_shapes) >= MAX_COUNTED_SHAPES:
             return
-        shape = tuple(tuple(t.shape) for t in _tensors_in(args))
+        shape = tuple(tuple(t.shape) for t in flat_tensors(args))
         if shape in self._counted_shapes:
             return
         from torch.utils.flop_counter import FlopCounterMode
@@ -480,19 +482,6 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _tensors_in(value: Any) -> Iterator[Tensor]:
-    """Tensors in a model's input or output: a tensor, or nested tuples, lists and dicts of them
-    (a transformers ModelOutput is a dict)."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-
-
 def _loss_in(output: Any) -> Tensor | None:
     """The loss a model's output carries (a transformers ModelOutput's, a dict's "loss"), if any."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
@@ -537,17 +526,22 @@ class _Counting:
 
 
 def _flops_message(counting: _Counting, step_index: int, step: Step | None, device: torch.device) -> str:
-    from ddlscope.runtime.flops import StepFlops, flops_message, peak_flops
+    from ddlscope.runtime.flops import StepFlops, flops_message
 
     flops = int(counting.counter.get_total_flops())
     samples = step.samples if step is not None and step.samples is not None else 0
-    peak, source = _PEAK.get(str(device)) or _PEAK.setdefault(str(device), peak_flops(device, torch.get_num_threads()))
+    peak, source = _peak_flops(str(device), torch.get_num_threads())
     shape = ";".join("x".join(str(d) for d in s) for s in counting.shape)
     return flops_message(StepFlops(flops, flops, samples, str(device)), peak, source) + \
         f" counted_at_step={step_index} input_shape={shape or 'none'}"
 
 
-_PEAK: dict[str, tuple[float, str]] = {}
+@functools.lru_cache(maxsize=None)
+def _peak_flops(device: str, threads: int) -> tuple[float, str]:
+    """The peak MFU divides by, measured once per device and thread count (a matmul benchmark)."""
+    from ddlscope.runtime.flops import peak_flops
+
+    return peak_flops(torch.device(device), threads)
 
 
 # --- the store, for a job outside `ddlscope launch` --------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ddlscope.runtime.attach import AttachError, Meter, Step, attach
+from ddlscope.workloads.model_table import flat_tensors
 
 
 class StepMarker:
@@ -118,8 +119,5 @@ def lightning_callback(run: str | None = None, db: str | Path | None = None) -> 
 
 
 def _batch_size(batch: Any) -> int | None:
-    """Samples in a batch: the first dimension of its first tensor."""
-    if isinstance(batch, Tensor):
-        return int(batch.shape[0]) if batch.dim() else None
-    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((n for item in items if (n := _batch_size(item)) is not None), None)
+    """Samples in a batch: the first dimension of its first tensor that has one."""
+    return next((int(t.shape[0]) for t in flat_tensors(batch) if t.dim()), None)

@@ -202,8 +202,7 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
         if reaper.killed:  # every rank had finished; only their exit hung
             status, error = "finished", None
     except (KeyboardInterrupt, SignalException) as exc:
-        signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
-        status, error = "interrupted", f"interrupted by {signal_name}"
+        status, error = "interrupted", interrupted_by(exc)
     except Exception as exc:  # rendezvous errors and the like: the run did not happen
         status, error = "failed", f"{type(exc).__name__}: {exc}"
     finally:
@@ -392,6 +391,11 @@ def _environment_variable(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = previous
+
+
+def interrupted_by(exc: BaseException) -> str:
+    """What stopped a launch: the signal torch's agent forwarded, or Ctrl-C."""
+    return f"interrupted by {getattr(getattr(exc, 'sigval', None), 'name', 'SIGINT')}"
 
 
 def first_failure(exc: ChildFailedError) -> str:

@@ -29,8 +29,8 @@ from ddlscope.runtime.attach import (
     ATTACHED_EVENT, LAUNCHER_LOGS_ENV, RUN_DIR_ENV, RUN_NAME_ENV, TRACE_STEPS_ENV, create_attached_run, current_meter)
 from ddlscope.runtime.heartbeat import Watchdog
 from ddlscope.runtime.launcher import (
-    HANG_STARTUP_S, RDZV_ID, _environment_variable, end_hung_run, first_failure, launch_processes, start_progress,
-    storing_rows)
+    HANG_STARTUP_S, RDZV_ID, _environment_variable, end_hung_run, first_failure, interrupted_by, launch_processes,
+    start_progress, storing_rows)
 from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, read_records, run_dir_for
 from ddlscope.runtime.sinks import SinkChoice, run_label
 from ddlscope.specs import ConfigError
@@ -87,19 +87,17 @@ def launch_script(script: Path, args: list[str], nprocs: int, store_path: Path, 
     watchdog = Watchdog(run_dir, list(range(nprocs)), hang_timeout_s, end_hung_run, startup_s=HANG_STARTUP_S)
     watchdog.start()
     status, error = "finished", None
-    # The ranks learn that this launcher logs (their meters then leave `attach(log=...)` to it).
-    launcher_logs = _environment_variable(LAUNCHER_LOGS_ENV, ",".join(sinks.names) if sinks else "")
-    launcher_logs.__enter__()
     try:
-        launch_processes(script_main, (str(script.resolve()), list(args), str(run_dir), name or script.stem,
-                                       output_to_stderr, trace_steps), nprocs,
-                         run_id=f"{RDZV_ID}-{run_uuid[:12]}", max_restarts=max_restarts)
+        # The ranks learn that this launcher logs (their meters then leave `attach(log=...)` to it).
+        with _environment_variable(LAUNCHER_LOGS_ENV, ",".join(sinks.names) if sinks else ""):
+            launch_processes(script_main, (str(script.resolve()), list(args), str(run_dir), label,
+                                           output_to_stderr, trace_steps), nprocs,
+                             run_id=f"{RDZV_ID}-{run_uuid[:12]}", max_restarts=max_restarts)
     except ChildFailedError as exc:
         status, error = "failed", first_failure(exc)
     except (KeyboardInterrupt, SignalException) as exc:
-        status, error = "interrupted", f"interrupted by {getattr(getattr(exc, 'sigval', None), 'name', 'SIGINT')}"
+        status, error = "interrupted", interrupted_by(exc)
     finally:
-        launcher_logs.__exit__(None, None, None)
         stop_progress.set()
         watchdog.stop()
         opener.stop()

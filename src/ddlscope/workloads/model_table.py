@@ -302,7 +302,7 @@ class _Recorder:
 
     def _storages(self, value: Any) -> dict[int, int]:
         found: dict[int, int] = {}
-        for t in _flat_tensors(value):
+        for t in flat_tensors(value):
             key, nbytes = _storage(t)
             if key not in self.param_keys and nbytes:
                 found[key] = max(found.get(key, 0), nbytes)
@@ -325,7 +325,7 @@ class _Recorder:
         """A repeated unit's fresh outputs are saved where the template's were saved inside the template
         (a block ending in a ReLU keeps its own output): the copied rows hold those bytes already, so a
         later op saving them again must not count them twice."""
-        for kept, new in zip(_flat_tensors(template_out), _flat_tensors(fresh)):
+        for kept, new in zip(flat_tensors(template_out), flat_tensors(fresh)):
             entry = self.saved.get(_storage(kept)[0])
             if entry is not None and (entry[1] == template or entry[1].startswith(template + ".")):
                 key, nbytes = _storage(new)
@@ -364,15 +364,17 @@ class _Recorder:
                         activation_bytes=per_unit[i]) for i, path in enumerate(unit_paths)]
 
 
-def _flat_tensors(value: Any) -> Iterator[Tensor]:
+def flat_tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in a model's input or output: a tensor, or nested tuples, lists and dicts of them (a
+    transformers ModelOutput is a dict), depth first."""
     if isinstance(value, Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _flat_tensors(v)
+            yield from flat_tensors(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _flat_tensors(v)
+            yield from flat_tensors(v)
 
 
 class _FlopMode(TorchDispatchMode):
