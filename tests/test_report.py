@@ -229,7 +229,11 @@ def test_figures_deterministic_and_none_without_data():
     assert figures.throughput_speedup([], [], []) is None
     assert figures.staleness_histograms({"ps": []}) is None
     assert figures.metric_curves({}) is None
-    assert figures.server_time_share(["s"], [None]) is None
+    assert figures.server_update_times(["s"], [0.001], [None], [None]) is None
+    times = figures.server_update_times(["ps r2", "ps r3"], [0.004, None], [0.0002, 0.0003], [0.01, None])
+    assert base64.b64decode(times.split(",", 1)[1]).startswith(PNG_SIGNATURE)
+    # the queue is drawn: a longer one is another picture
+    assert times != figures.server_update_times(["ps r2", "ps r3"], [0.008, None], [0.0002, 0.0003], [0.01, None])
 
 
 def test_cli_report_writes_page_and_bad_ref_is_one_line(store, tmp_path):

@@ -383,35 +383,38 @@ def staleness_histograms(staleness: Mapping[str, Sequence[int]]) -> str | None:
 
 
 @_styled
-def server_time_share(labels: Sequence[str], apply_share: Sequence[float | None],
-                      cpu_share: Sequence[float | None] | None = None) -> str | None:
-    """Horizontal bars: the share of each server's wall time spent applying updates (and its CPU share)."""
-    ap = [_num(v) for v in apply_share]
-    if not labels or all(math.isnan(v) for v in ap):
+def server_update_times(labels: Sequence[str], queue_s: Sequence[float | None], apply_s: Sequence[float | None],
+                        busy_share: Sequence[float | None]) -> str | None:
+    """Horizontal stacked bars, one per server: the mean milliseconds an update waited in the server's
+    queue and then took to apply, each label with the share of the server's wall time spent applying.
+
+    In milliseconds rather than as a share of wall time: on a CPU cluster a server applies in ~1% of its
+    time, and a chart of shares read "1%" on every bar; the queue beside the apply says whether the
+    workers wait on the server (a queue much longer than an apply) or not."""
+    queued, applying = [_num(v) * 1e3 for v in queue_s], [_num(v) * 1e3 for v in apply_s]
+    if not labels or all(math.isnan(v) for v in applying):
         return None
-    cp = [_num(v) for v in cpu_share] if cpu_share is not None else [math.nan] * len(labels)
-    has_cpu = not all(math.isnan(v) for v in cp)
-    fig, axes = _figure(7.5, max(1.6, 0.45 * len(labels) * (2 if has_cpu else 1) + 0.9))
+    fig, axes = _figure(7.5, max(1.6, 0.45 * len(labels) + 0.9))
     ax = axes[0][0]
-    h = 0.38 if has_cpu else 0.6
     ys = list(range(len(labels)))
-    rows = [(ap, "busy applying updates (apply_s / wall_s)", PALETTE[0], -h / 2 if has_cpu else 0.0)]
-    if has_cpu:
-        rows.append((cp, "server CPU busy (busy_cpu_s / wall_s)", PALETTE[1], h / 2))
-    for vals, name, c, off in rows:
-        bars = ax.barh([y + off for y in ys], [0 if math.isnan(v) else v for v in vals], height=h, color=c,
-                       label=name)
-        for bar, v in zip(bars, vals):
-            ax.annotate("n/a" if math.isnan(v) else f"{v:.0%}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                        va="center", ha="left", fontsize=7, xytext=(3, 0), textcoords="offset points")
+    left = [0.0 if math.isnan(v) else v for v in queued]
+    ax.barh(ys, left, height=0.6, color=PALETTE[1], label="queued before applying")
+    bars = ax.barh(ys, [0.0 if math.isnan(v) else v for v in applying], left=left, height=0.6, color=PALETTE[0],
+                   label="applying")
+    for bar, q, a in zip(bars, queued, applying):
+        if not math.isnan(a):
+            ax.annotate(f"{(0 if math.isnan(q) else q) + a:.3g} ms", (bar.get_x() + bar.get_width(),
+                        bar.get_y() + bar.get_height() / 2), va="center", ha="left", fontsize=7, xytext=(3, 0),
+                        textcoords="offset points")
+    shares = [_num(v) for v in busy_share]
     ax.set_yticks(ys)
-    ax.set_yticklabels([_shorten(s, 48) for s in labels])
+    ax.set_yticklabels([_shorten(s, 40) + ("" if math.isnan(b) else f" (busy {b * 100:.2g}%)")
+                        for s, b in zip(labels, shares)])
     ax.invert_yaxis()
-    top = max([v for v in ap + cp if not math.isnan(v)] + [0.0])
-    ax.set_xlim(0, max(1.0, top * 1.15))
-    ax.xaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.set_xlabel("share of server wall time")
-    ax.set_title("parameter-server time share")
+    ax.set_xlim(0, max(q + a for q, a in zip(left, [0.0 if math.isnan(v) else v for v in applying])) * 1.2 or 1.0)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("ms per update (mean)")
+    ax.set_title("parameter servers: time per update")
     ax.grid(False, axis="y")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _render(fig)

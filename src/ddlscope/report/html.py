@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -23,7 +21,7 @@ import jinja2
 from ddlscope import __version__
 from ddlscope.analysis.summary import PHASES, Summary, aggregate_steps, emulation_scale_notes, summarize
 from ddlscope.report import figures
-from ddlscope.store import Run, Store
+from ddlscope.store import Run, Store, atomic_output
 
 LOWER_IS_BETTER = ("loss", "perplexity")
 KEY_FIELDS = (
@@ -230,8 +228,8 @@ def _fig_ps(data: Sequence[RunData]) -> tuple[str | None, str | None]:
     ps = [d for d in data if d.is_ps]
     stale = figures.staleness_histograms({d.label: d.staleness for d in ps})
     rows = [(f"{d.label} · server r{s['rank']}", s) for d in ps for s in d.servers]
-    share = figures.server_time_share([r[0] for r in rows], [r[1]["apply_share"] for r in rows],
-                                      [r[1]["cpu_share"] for r in rows])
+    share = figures.server_update_times([r[0] for r in rows], [r[1]["mean_queue_s"] for r in rows],
+                                        [r[1]["mean_apply_s"] for r in rows], [r[1]["apply_share"] for r in rows])
     return stale, share
 
 
@@ -561,22 +559,7 @@ def _distinct_line_names(members: list[tuple[dict, RunData]], names: list[str]) 
             for (c, _), name in zip(members, names)]
 
 
-def write_report(html: str, path: Path) -> None:
-    """Write the page atomically: a temporary file in the same folder, then os.replace."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(html)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+def write_report(html: str, path: Path, what: str = "--output") -> None:
+    """Write the page whole or not at all (store.atomic_output); OutputError names `what` and the path."""
+    with atomic_output(path, what=what) as f:
+        f.write(html)
