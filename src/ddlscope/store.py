@@ -13,20 +13,30 @@ variables DDLSCOPE_STORE_BUSY_TIMEOUT_S and DDLSCOPE_STORE_LOCK_WAIT_S set the d
 only past the bound does it give up, with a StoreError. A file that is not a store, is
 damaged, read-only or unreadable, or a directory, is a StoreError too: one line saying
 what and how to fix it. Each call that writes is one transaction: a process killed
-half-way leaves nothing half-written.
+half-way leaves nothing half-written. A file that is not a regular file (a FIFO, a device such
+as /dev/null), or an SQLite database that is not a ddlscope store (its own tables, no ddlscope
+`meta`), is refused before anything is written to it.
+
+`atomic_output` is how every file ddlscope writes for a user (exports, reports, traces, scripts,
+profiles) is written: to a temporary name in the same folder, fsynced, then renamed over the
+target, so a full disk or a crash leaves the old file or none, never a truncated one. It lives
+here, in the lowest layer, so that every layer can use it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import sqlite3
+import stat
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import IO, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
@@ -163,6 +173,10 @@ class StoreError(RuntimeError):
     """The store cannot be opened or does not hold what was asked for."""
 
 
+class OutputError(RuntimeError):
+    """A file for the user cannot be written (one line naming it); nothing was left half-written."""
+
+
 class Store:
     def __init__(self, path: str | os.PathLike[str], *, busy_timeout_s: float | None = None,
                  lock_wait_s: float | None = None):
@@ -180,6 +194,9 @@ class Store:
             self.conn.execute("PRAGMA foreign_keys=ON")
             tables = {r[0] for r in self._retrying(
                 lambda: self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall())}
+            if tables and not self._has_schema_version(tables):  # someone else's database: never write into it
+                raise StoreError(f"{self.path} is an SQLite database but not a ddlscope store (its tables: "
+                                 f"{_some(sorted(tables))}): pass another --db")
             if not set(TABLES) <= tables:  # a new store (or an older one): create what is missing
                 if not tables:  # an empty file: 16 KiB pages make bulk inserts ~15% cheaper than 4 KiB ones
                     self.conn.execute(f"PRAGMA page_size={PAGE_BYTES}")
@@ -198,6 +215,20 @@ class Store:
         except sqlite3.Error as exc:
             self.conn.close()
             raise StoreError(_describe(self.path, exc)) from None
+        self._identity = _file_identity(self.path)
+
+    def _has_schema_version(self, tables: set[str]) -> bool:
+        if "meta" not in tables:
+            return False
+        try:
+            return self.conn.execute("SELECT 1 FROM meta WHERE key='schema_version'").fetchone() is not None
+        except sqlite3.OperationalError:  # a `meta` table of another shape
+            return False
+
+    def still_at_path(self) -> bool:
+        """Whether the store's path still names the file this connection opened: renaming another file
+        over it (or deleting it) during a run would leave this connection writing to a file nobody sees."""
+        return self._identity is not None and _file_identity(self.path) == self._identity
 
     def close(self) -> None:
         self.conn.close()
@@ -393,10 +424,12 @@ class Store:
 
     def finish_orphan(self, run_id: int, launcher_pid: int | None, status: str, error: str, event: str,
                       finished_at: float | None = None) -> bool:
-        """Mark a run whose launcher died without saying `status` (failed or interrupted) and record a
-        `recovered` event (rank -1), in one transaction, unless it is no longer created or running, or
-        another launcher owns it now (another process recovered it first). True when this call marked it."""
-        if status not in ("failed", "interrupted"):
+        """Mark a run whose launcher died without saying `status` (failed or interrupted; finished only
+        for a run whose launcher saw it finish but could not store its rows, once they all are) and
+        record a `recovered` event (rank -1), in one transaction, unless it is no longer created or
+        running, or another launcher owns it now (another process recovered it first). True when this
+        call marked it."""
+        if status not in ("finished", "failed", "interrupted"):
             raise ValueError(f"not the status of a run whose launcher died: {status}")
         with self.transaction() as c:
             cur = c.execute("UPDATE runs SET status=?, error=?, finished_at=? WHERE id=? AND launcher_pid IS ?"
@@ -406,6 +439,25 @@ class Store:
                 return False
             _insert_event(c, run_id, "recovered", event, -1)
         return True
+
+    # -- resume and checkpoints (runtime/checkpoint.py, runtime/launcher.py) ----------------------------
+    def checkpoint_secret(self) -> bytes:
+        """This store's secret, made on first use, that runs' checkpoint manifests are signed with
+        (checkpoint.run_key): a checkpoint folder cannot vouch for itself, the store can. In `meta`, so
+        older stores need no migration; whoever can read the store can sign."""
+        with self.transaction() as c:
+            c.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('checkpoint_secret', ?)",
+                      (secrets.token_hex(32),))
+            return bytes.fromhex(c.execute("SELECT value FROM meta WHERE key='checkpoint_secret'").fetchone()[0])
+
+    def take_over_run(self, run_id: int, seen_status: str, seen_pid: int | None) -> bool:
+        """A resuming launcher makes the run its own: this process's pid and host recorded, unless the run
+        changed since it was read as (`seen_status`, `seen_pid`). True when it took it."""
+        with self.transaction() as c:
+            cur = c.execute("UPDATE runs SET launcher_pid=?, host=? WHERE id=? AND status=? AND launcher_pid IS ?",
+                            (os.getpid(), socket.gethostname(), run_id, seen_status, seen_pid))
+            return cur.rowcount == 1
+    # -- end of resume and checkpoints ---------------------------------------------------------------
 
     def steps(self, run_id: int) -> list[sqlite3.Row]:
         return self.conn.execute("SELECT * FROM steps WHERE run_id=? ORDER BY step, rank", (run_id,)).fetchall()
@@ -679,6 +731,28 @@ def _seconds(env: str, default: float, given: float | None) -> float:
     return value
 
 
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, or None when nothing is there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _some(names: Sequence[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names)} in all)" if len(names) > shown else "")
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (for a message)."""
+    for test, kind in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "named pipe (FIFO)"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "special file"
+
+
 def _check_file(path: Path) -> None:
     """Refuse, in one line, what sqlite would refuse with a less helpful message (or not at all)."""
     if path.is_dir():
@@ -687,6 +761,10 @@ def _check_file(path: Path) -> None:
         raise StoreError(f"store folder {path.parent} does not exist")
     if not path.exists():
         return
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):  # opening a FIFO would block for ever; /dev/null reads as "disk I/O error"
+        raise StoreError(f"store {path} is a {file_kind(mode)}, not a regular file, so not a ddlscope store: "
+                         "pass --db FILE (a new or existing store)")
     try:
         with open(path, "rb") as f:
             header = f.read(len(SQLITE_HEADER))
@@ -714,6 +792,53 @@ def _describe(path: Path, exc: sqlite3.Error) -> str:
     if code == 10:  # SQLITE_IOERR
         return f"store {path}: disk I/O error ({message})"
     return f"store {path}: {message}"
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str], *, binary: bool = False, what: str = "output") -> Iterator[IO[Any]]:
+    """A file to write `path` through: a temporary file in the same folder, fsynced and renamed over
+    `path` when the block ends without an error, removed when it raises. A reader (or a full disk, or a
+    crash) never sees a half-written `path`: the old file stays until the new one is whole.
+
+    An existing target that is not a regular file (a device such as /dev/null, a FIFO, a folder) is
+    refused, since the rename would replace it; a symlink is followed, and its target written. A file
+    that cannot be written (no space, a read-only folder, no permission) is an OutputError naming
+    `what` and the path, in one line."""
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else Path(path)
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise OutputError(f"{what} {path}: cannot write it ({exc.strerror or exc})") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise OutputError(f"{what} {path} is a {file_kind(mode)}, not a regular file: give a file name to write")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise OutputError(f"{what} {path}: cannot write it ({exc.strerror or exc})") from None
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8", "newline": ""})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError) and not isinstance(exc, (BrokenPipeError, InterruptedError)):
+            raise OutputError(f"{what} {path}: cannot write it ({exc.strerror or exc}); nothing was left there") \
+                from None
+        raise
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def is_busy(exc: sqlite3.OperationalError) -> bool:

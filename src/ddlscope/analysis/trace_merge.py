@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, TextIO
 
+from ddlscope.store import atomic_output
+
 ANCHOR = "ddlscope.trace_anchor"
 _PROCESS_META = {"process_name", "process_labels", "process_sort_index"}
 _DEVICE_TID_BASE = 1_000_000  # device tracks (another pid in the rank's trace) become threads of the rank
@@ -55,7 +57,7 @@ def merge_traces(traces: Iterable[RankTrace], output: Path) -> MergeResult:
     earliest = min(anchors.values())
     result = MergeResult(output, [t.rank for t in traces], 0)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "w", encoding="utf-8") as out:
+    with atomic_output(output, what="--output") as out:  # whole or not at all: a full disk leaves no half trace
         out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         first = True
         for t in traces:

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Mapping, Union
 from pydantic import BaseModel, ConfigDict, PlainValidator, StringConstraints, ValidationError
 
 from ddlscope.specs import ConfigError
-from ddlscope.store import Store
+from ddlscope.store import Store, atomic_output
 
 DEFAULT_PROFILE = Path("ddlscope-calibration.toml")
 HEADER = "# ddlscope hardware profile (ddlscope calibrate)\n"
@@ -204,7 +204,8 @@ def _first_error(exc: ValidationError) -> str:
 
 def write_profile(profile: Mapping[str, Any] | CalibrationProfile, path: Path) -> None:
     data = profile.as_dict() if isinstance(profile, CalibrationProfile) else dict(profile)
-    path.write_text(HEADER + to_toml(data))
+    with atomic_output(path, what="calibration profile") as f:
+        f.write(HEADER + to_toml(data))
 
 
 def load_profile(path: Path) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Command modules import from here and never from each other.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,11 +17,12 @@ import typer
 from rich.console import Console
 
 from ddlscope.specs import ConfigError
-from ddlscope.store import BUSY_TIMEOUT_ENV, DEFAULT_DB, Store, StoreError, is_busy
+from ddlscope.store import BUSY_TIMEOUT_ENV, DEFAULT_DB, OutputError, Store, StoreError, file_kind, is_busy
 
 __all__ = ["DEFAULT_DB", "DbOption", "JsonOption", "RunArg", "UserError", "check_local_ranks", "check_output_folder",
-           "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters", "one_line",
+           "check_not_special", "check_run_outputs", "cluster_from_text", "console", "db_option", "err_console", "has_control_characters", "one_line",
            "json_option", "max_ranks_per_node", "open_store", "print_error", "progress_phase", "require_store", "run_app",
+           "check_run_ref", "run_ref_callback",
            "wide_when_piped"]
 
 # The CLI's two consoles: results on stdout, notes and errors on stderr. No emoji codes: a model named
@@ -42,7 +44,29 @@ def json_option(help: str = "Print one JSON object.") -> Any:
 
 DbOption = Annotated[Path, db_option()]
 JsonOption = Annotated[bool, json_option()]
-RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.")]
+
+
+def check_run_ref(ref: str, named: str = "RUN") -> str:
+    """A RUN argument the store can look up: refused when empty (it matched the newest unnamed run), when its
+    digits are not 0-9 ('²' is a digit to Python, not to int()), or an id past what SQLite stores."""
+    if not ref.strip():
+        raise UserError(f"{named} = {ref!r}: empty; give a run id, uuid (prefix) or name (see `ddlscope runs`)")
+    if ref.isdigit() and not (ref.isascii() and int(ref) <= MAX_RUN_ID):
+        why = "past the largest id a store holds (2**63 - 1)" if ref.isascii() else "not a run id (digits 0-9)"
+        raise UserError(f"{named} = {ref!r}: {why}; give a run id, uuid (prefix) or name (see `ddlscope runs`)")
+    return ref
+
+
+def run_ref_callback(param: typer.CallbackParam, value: Any) -> Any:
+    """typer's callback for RUN arguments and options (one, or a list): each through check_run_ref."""
+    named = param.opts[0] if param.param_type_name == "option" else "RUN"
+    if isinstance(value, (list, tuple)):
+        return [check_run_ref(v, named) for v in value]
+    return value if value is None else check_run_ref(value, named)
+
+
+MAX_RUN_ID = 2**63 - 1  # SQLite's largest INTEGER
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="Run id, uuid (prefix) or name.", callback=run_ref_callback)]
 
 
 # ---------------------------------------------------------------------------- user errors
@@ -81,6 +105,50 @@ def print_error(message: str) -> None:
     err_console.print(f"error: {one_line(message)}", markup=False, highlight=False, soft_wrap=True)
 
 
+def check_utf8_arguments(app: typer.Typer, args: list[str]) -> None:
+    """Refuse an argument that is not UTF-8 (Python holds its bytes as lone surrogates), naming its option:
+    the store, reports and the terminal take UTF-8 text, and every write of one failed with a traceback, some
+    after the store was created."""
+    for i, arg in enumerate(args):
+        if not any("\udc80" <= c <= "\udcff" for c in arg):
+            continue
+        shown = repr(arg.encode("utf-8", "surrogateescape"))[1:]
+        option, sep, _ = arg.partition("=")
+        if arg.startswith("-") and sep:
+            named = option
+        elif i and args[i - 1].startswith("-") and _takes_value(app, args[0], args[i - 1]):
+            named = args[i - 1]
+        else:
+            named = _first_argument(app, args[0]) if i else "COMMAND"
+        raise UserError(f"{named} = {shown}: not UTF-8 text; give it in UTF-8 (the store, reports and terminals "
+                        "hold UTF-8)")
+
+
+def _params(app: typer.Typer, command: str) -> list[Any]:
+    """The click parameters of `command` as typer declares it (none for an unknown command)."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    commands = getattr(group, "commands", None)
+    return list(getattr(commands.get(command) if commands is not None else group, "params", []))
+
+
+def _takes_value(app: typer.Typer, command: str, option: str) -> bool:
+    """Whether `option` of `command` takes a value (is not a flag)."""
+    for param in _params(app, command):
+        if option in (*param.opts, *param.secondary_opts):
+            return not getattr(param, "is_flag", False)
+    return True
+
+
+def _first_argument(app: typer.Typer, command: str) -> str:
+    """How `command`'s help names its first positional argument (RUN, CONFIG, ...)."""
+    for param in _params(app, command):
+        if getattr(param, "param_type_name", "") == "argument":
+            return str(param.metavar or param.name.upper())
+    return "argument"
+
+
 def one_line(text: str) -> str:
     """`text` with each control character written as its escape (a newline as \\n)."""
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
@@ -90,9 +158,13 @@ def run_app(app: typer.Typer, argv: list[str] | None) -> int:
     """Run the typer app; user errors become one line on stderr and exit status 2, never a traceback."""
     from typer.exceptions import TyperException
 
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        result = app(args=argv, standalone_mode=False, prog_name="ddlscope")
-    except (ConfigError, StoreError, UserError) as exc:
+        check_utf8_arguments(app, args)
+        result = app(args=args, standalone_mode=False, prog_name="ddlscope")
+    except (ConfigError, StoreError, UserError, OutputError) as exc:
         print_error(str(exc))
         return 2
     except sqlite3.OperationalError as exc:
@@ -180,18 +252,31 @@ def check_local_ranks(exp: Any) -> None:
 
 
 def check_output_folder(path: Path, what: str) -> None:
-    """Refuse a file to write whose folder is missing (or that is a folder), before any work is done."""
+    """Refuse a file to write whose folder is missing, or that is a folder or another file that is not a
+    regular file (a device such as /dev/null, a FIFO: writing would replace it), before any work is done."""
     if path.is_dir():
         raise UserError(f"{what} {path} is a directory; give a file name, e.g. {path / 'out'}")
+    check_not_special(path, what)
     folder = path.resolve().parent
     if not folder.is_dir():
         raise UserError(f"{what} {path}: folder {folder} does not exist (create it first)")
 
 
+def check_not_special(path: Path, what: str) -> None:
+    """Refuse an existing output that is not a regular file: writing would replace a device or a FIFO."""
+    if path.exists() and not path.is_file():
+        raise UserError(f"{what} {path} is a {file_kind(path.stat().st_mode)}, not a regular file: give a file "
+                        "name to write")
+
+
 def check_run_outputs(exp: Any) -> None:
-    """save_model_path and checkpoint_dir: their folders must exist before a run trains for them."""
+    """What a run needs of this machine, checked before it starts rather than found by its ranks: the folders
+    of save_model_path and checkpoint_dir exist and can be written, the GPU a CUDA backend or device names is
+    there, and the data cache (DDLSCOPE_CACHE_DIR) is a folder."""
     if exp.save_model_path:
-        check_output_folder(Path(exp.save_model_path), "save_model_path =")
+        path = Path(exp.save_model_path)
+        check_output_folder(path, "save_model_path =")
+        _check_writable(path.resolve().parent, f"save_model_path = {path}")
     if exp.checkpoint_dir:
         folder = Path(exp.checkpoint_dir)
         if folder.exists() and not folder.is_dir():
@@ -199,6 +284,40 @@ def check_run_outputs(exp: Any) -> None:
         if not folder.resolve().parent.is_dir():
             raise UserError(f"checkpoint_dir = {folder}: folder {folder.resolve().parent} does not exist "
                             "(create it first)")
+        _check_writable(folder.resolve() if folder.is_dir() else folder.resolve().parent, f"checkpoint_dir = {folder}")
+    check_devices(exp)
+    check_cache_dir()
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    # os.access, not a probe file: it writes nothing, and answers a read-only mount for root too (EROFS).
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{what}: folder {folder} cannot be written (read-only); give a folder you can write")
+
+
+def check_devices(exp: Any) -> None:
+    """Refuse a CUDA backend or device where torch finds no GPU: every rank failed on it after the launch.
+    Asked at the time of the run (not in the spec), so the same config runs unchanged where CUDA is."""
+    cluster = exp.cluster
+    wanted = [f"cluster.{field} = {value!r}" for field, value, cuda in
+              (("backend", cluster.backend, "nccl"), ("device", cluster.device, "cuda")) if value == cuda]
+    if not wanted:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"{wanted[0]}: needs a CUDA GPU, and torch finds none here (torch.cuda.is_available() is "
+                        "False); use 'auto' (gloo on the CPU without a GPU)")
+
+
+def check_cache_dir() -> None:
+    """The data cache's folder, when the environment names one, must be a folder: a file failed in every rank
+    that built a cached data set."""
+    from ddlscope.workloads.vision import CACHE_DIR_ENV
+
+    value = os.environ.get(CACHE_DIR_ENV)
+    if value and Path(value).exists() and not Path(value).is_dir():
+        raise UserError(f"{CACHE_DIR_ENV} = {value}: is a file; give a folder for the data cache, or unset it")
 
 
 def has_control_characters(text: str) -> bool:

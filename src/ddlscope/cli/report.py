@@ -7,12 +7,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from ddlscope.cli.common import DEFAULT_DB, DbOption, UserError, err_console, require_store
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_not_special, err_console, require_store,
+                                 run_ref_callback)
 from ddlscope.store import Store
 
 
 def report(
-    run_refs: Annotated[list[str], typer.Argument(metavar="RUN", help="Run ids, uuid prefixes or names (one or more).")],
+    run_refs: Annotated[list[str], typer.Argument(metavar="RUN", help="Run ids, uuid prefixes or names (one or more).",
+                                                  callback=run_ref_callback)],
     output: Annotated[Path, typer.Option("--output", "-o", help="HTML file to write.")] = Path("report.html"),
     db: DbOption = DEFAULT_DB,
     title: Annotated[Optional[str], typer.Option("--title", help="Page title (default: the runs).")] = None,
@@ -21,6 +23,7 @@ def report(
     require_store(db)
     if output.is_dir():
         raise UserError(f"--output {output} is a directory; give a file name, e.g. {output / 'report.html'}")
+    check_not_special(output, "--output")
     if not output.resolve().parent.is_dir():
         raise UserError(f"--output {output}: folder {output.resolve().parent} does not exist")
     from ddlscope.report.html import run_label, runs_report, write_report

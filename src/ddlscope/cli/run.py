@@ -15,10 +15,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.markup import escape
 from rich.table import Column, Table
 
-from ddlscope.cli.common import (DEFAULT_DB, DbOption, RunArg, UserError, check_local_ranks, check_output_folder,
-                                 check_run_outputs, console, err_console, json_option, open_store, progress_phase)
+from ddlscope.cli.common import (DEFAULT_DB, MAX_RUN_ID, DbOption, RunArg, UserError, check_local_ranks, check_output_folder,
+                                 check_run_outputs, console, err_console, json_option, open_store, progress_phase,
+                                 run_ref_callback)
 from ddlscope.specs import is_baseline
-from ddlscope.store import Run, Store, StoreError
+from ddlscope.store import Run, Store, StoreError, atomic_output
 
 LogOption = Annotated[Optional[str], typer.Option(
     "--log", metavar="SINKS", help="Also write each step's breakdown, throughput and MFU, and memory by category, to "
@@ -55,7 +56,8 @@ def run(
     max_restarts: Annotated[Optional[int], typer.Option(help="Restart the ranks from the last checkpoint up to K "
                                                         "times when one dies.")] = None,
     resume: Annotated[Optional[str], typer.Option(metavar="RUN", help="Continue an interrupted or failed run from "
-                                                  "its newest checkpoint (its stored experiment; no other input).")] = None,
+                                                  "its newest checkpoint (its stored experiment; no other input).",
+                                                  callback=run_ref_callback)] = None,
     log: LogOption = None,
     log_dir: LogDirOption = None,
 ) -> None:
@@ -66,7 +68,11 @@ def run(
         given = [flag for flag, value in (("CONFIG", config), ("--workload", workload), ("--strategy", strategy),
                                           ("--world-size", world_size), ("--steps", steps), ("--set", set_),
                                           ("--batch-size", batch_size), ("--seed", seed), ("--name", name),
-                                          ("--checkpoint-every", checkpoint_every), ("--trace", trace or None))
+                                          ("--checkpoint-every", checkpoint_every), ("--trace", trace or None),
+                                          # the cluster's shape and restarts are the stored run's too
+                                          ("--max-restarts", max_restarts), ("--nnodes", nnodes),
+                                          ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv_endpoint),
+                                          ("--procs-per-node", procs_per_node))
                  if value is not None]
         if given:
             raise UserError(f"--resume continues the stored experiment as it was; drop {', '.join(given)}")
@@ -241,7 +247,7 @@ class _progress:
 
 # ---------------------------------------------------------------------------- runs / show
 def runs(db: DbOption = DEFAULT_DB,
-         limit: Annotated[int, typer.Option(min=1, help="Show the newest N runs.")] = 50) -> None:
+         limit: Annotated[int, typer.Option(min=1, max=MAX_RUN_ID, help="Show the newest N runs.")] = 50) -> None:
     """List the runs in the store, newest first."""
     with open_store(db) as store:
         # Names wrap rather than truncate (they are what one types back as RUN), so that 80 columns hold
@@ -304,17 +310,15 @@ def export(run_ref: RunArg,
 # millions of rows exports in bounded memory.
 @contextmanager
 def _opened(output: Optional[Path], binary: bool) -> Iterator[Any]:
-    """The file to write (or stdout); a write that fails is one line naming --output."""
+    """The file to write (or stdout). A file is written whole or not at all (store.atomic_output): a full
+    disk leaves no truncated export, and a write that fails is one line naming --output."""
     if output is None:
         sys.stdout.flush()  # text printed before must not land after the bytes
         yield sys.stdout.buffer if binary else sys.stdout
         (sys.stdout.buffer if binary else sys.stdout).flush()
         return
-    try:
-        with open(output, "wb" if binary else "w", **({} if binary else {"newline": "", "encoding": "utf-8"})) as f:
-            yield f
-    except OSError as exc:
-        raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+    with atomic_output(output, binary=binary, what="--output") as f:
+        yield f
 
 
 def _write_csv(store: Store, run_id: int, table: str, out: Any) -> None:
@@ -393,7 +397,8 @@ def trace(run_ref: RunArg,
 
 # ---------------------------------------------------------------------------- scaling
 def scaling(
-    runs_: Annotated[Optional[list[str]], typer.Argument(metavar="[RUN]...", help="Runs to compare (default: see --workload).")] = None,
+    runs_: Annotated[Optional[list[str]], typer.Argument(metavar="[RUN]...", help="Runs to compare (default: see --workload).",
+                                                               callback=run_ref_callback)] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="With --strategy: the newest finished run per world size.")] = None,
     strategy: Annotated[Optional[str], typer.Option("--strategy", "-s", help="Strategy of those runs.")] = None,
     db: DbOption = DEFAULT_DB,

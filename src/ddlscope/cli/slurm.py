@@ -11,6 +11,7 @@ import typer
 
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_output_folder, err_console,
                                  has_control_characters)
+from ddlscope.store import atomic_output
 
 # What an #SBATCH line takes as is: a job name of plain characters, and Slurm's time formats
 # (minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) or UNLIMITED.
@@ -44,10 +45,8 @@ def slurm(
     load_experiment(config, overrides)  # refuse a bad config now, not on the cluster
     script = sbatch_script(config, nodes, procs_per_node, set_ or [], job_name, time_limit, port, db)
     if output:
-        try:
-            output.write_text(script)
-        except OSError as exc:
-            raise UserError(f"--output {output}: cannot write it ({exc.strerror or exc})") from None
+        with atomic_output(output, what="--output") as f:
+            f.write(script)
         err_console.print(f"wrote {output}; submit with: sbatch {output}", markup=False, highlight=False)
     else:
         sys.stdout.write(script)

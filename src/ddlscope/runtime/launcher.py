@@ -34,16 +34,18 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import ddlscope
-from ddlscope.runtime.checkpoint import complete_steps, latest_checkpoint
+from ddlscope.runtime.checkpoint import complete_steps, latest_checkpoint, run_key
 from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
-from ddlscope.runtime.heartbeat import Watchdog
+from ddlscope.runtime.heartbeat import Beat, Watchdog, signal_own_process
 from ddlscope.runtime.netns import ShapedNetwork
-from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, run_dir_for  # noqa: F401 (re-exported)
+from ddlscope.runtime.recovery import hold_run_lock
+from ddlscope.runtime.rows import (done_pids, ingest_run_dir, rank_file, record_outcome,  # noqa: F401 (re-exported)
+                                   reserve_outcome, run_dir_for)
 from ddlscope.runtime.sinks import SinkChoice, Sinks, run_label
 from ddlscope.runtime.worker import worker_main
 from ddlscope.specs import ConfigError, Experiment
-from ddlscope.store import Run, Store
+from ddlscope.store import Run, Store, StoreError
 
 RDZV_ID = "ddlscope"
 # Ranks start as forks of one server process per launcher that has imported these once: a spawned
@@ -126,16 +128,26 @@ def checkpoint_root(exp: Experiment, run_dir: Path) -> Path:
     return Path(exp.checkpoint_dir) if exp.checkpoint_dir else run_dir / "checkpoints"
 
 
-def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | None) -> tuple[int, Path]:
-    """Create the run's row (or take the resumed one back) and its folder: (run id, run folder)."""
+def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | None,
+              locks: list[int]) -> tuple[int, Path, bytes]:
+    """Create the run's row (or take the resumed one back) and its folder, holding the run's launcher lock
+    (its descriptor appended to `locks`): (run id, run folder, checkpoint key)."""
     if resume is not None:
         run_dir = run_dir_for(store_path, resume.uuid)
-        found = latest_checkpoint(checkpoint_root(exp, run_dir), exp)
+        locks.append(hold_run_lock(run_dir))  # a second launcher of this run stops here
+        current = store.get_run(resume.id)  # as it is now that no other launcher can hold it
+        if current.shown_status not in ("interrupted", "failed", "died"):
+            raise ConfigError(f"run {resume.id} is {current.shown_status}: only an interrupted or failed run can "
+                              "be resumed")
+        key = run_key(store.checkpoint_secret(), resume.uuid)
+        found = latest_checkpoint(checkpoint_root(exp, run_dir), exp, key=key)  # before anything is unpickled
+        if not store.take_over_run(resume.id, current.status, current.launcher_pid):
+            raise ConfigError(f"run {resume.id} changed while being resumed (another process took it): try again")
         from_step = found.step if found else 0
         store.forget_rows_from(resume.id, from_step)
         store.add_event(resume.id, "resumed", f"from the checkpoint after step {from_step}" if found
                         else "no checkpoint: from step 0")
-        return resume.id, run_dir
+        return resume.id, run_dir, key
     run_uuid = uuid.uuid4().hex
     run_dir = run_dir_for(store_path, run_uuid)
     if exp.checkpoint_dir and complete_steps(Path(exp.checkpoint_dir)):
@@ -149,28 +161,56 @@ def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | Non
         uuid=run_uuid, name=exp.name, workload=exp.workload.name, strategy=exp.strategy.name,
         world_size=cluster.world_size, config=experiment_to_dict(exp), code_version=code_version(),
         seed=exp.seed, environment=env_record)
-    return run_id, run_dir
+    locks.append(hold_run_lock(run_dir))
+    return run_id, run_dir, run_key(store.checkpoint_secret(), run_uuid)
 
 
 def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, Any]], None] | None,
             shaped: ShapedNetwork | None = None, resume: Run | None = None,
             sinks: SinkChoice | None = None) -> LaunchResult:
+    """`_launch_holding`, letting go of the run's launcher lock however it ends."""
+    locks: list[int] = []
+    try:
+        return _launch_holding(locks, exp, store_path, on_progress, shaped, resume, sinks)
+    finally:
+        for fd in locks:
+            os.close(fd)
+
+
+def fresh_launch_dir(run_dir: Path) -> Path:
+    """A new folder for this launch's heartbeats and done markers: a resumed run never reads (or signals
+    the pids in) the files of a launch before it. Older launches' folders go (their launcher is gone:
+    this one holds the run's lock)."""
+    for old in run_dir.glob("launch-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    folder = run_dir / f"launch-{uuid.uuid4().hex[:12]}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def _launch_holding(locks: list[int], exp: Experiment, store_path: Path,
+                    on_progress: Callable[[dict[str, Any]], None] | None, shaped: ShapedNetwork | None,
+                    resume: Run | None, sinks: SinkChoice | None) -> LaunchResult:
     cluster = exp.cluster
     link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
     if shaped:
         network_record.update(shaped.record())
     store: Store | None = None
     run_id: int | None = None
+    key = b""  # nodes other than 0 hold no store: their ranks trust the manifest rank 0 verified
     if cluster.node_rank == 0:
         store = Store(store_path)
         try:
-            run_id, run_dir = _open_run(exp, store, store_path, resume)
+            run_id, run_dir, key = _open_run(exp, store, store_path, resume, locks)
         except BaseException:
             store.close()
             raise
     else:
         run_dir = run_dir_for(store_path, f"{uuid.uuid4().hex}-node{cluster.node_rank}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if store is not None:
+        reserve_outcome(run_dir)
+    launch_dir = fresh_launch_dir(run_dir)
 
     nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
     if store and run_id is not None:
@@ -179,19 +219,20 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     logging_to = _open_sinks(exp, run_dir, sinks) if sinks is not None and run_id is not None else None
     progress = start_progress(run_dir, cluster.node_rank * cluster.procs_per_node, on_progress, stop_progress,
                               logging_to)
-    reaper = ExitReaper(run_dir, nprocs)
+    reaper = ExitReaper(launch_dir, nprocs)
     reaper.start()
     first_rank = cluster.node_rank * cluster.procs_per_node
     local_ranks = list(range(first_rank, first_rank + cluster.procs_per_node)) \
         + list(range(cluster.world_size, cluster.world_size + exp.strategy.extra_ranks()))
-    watchdog = Watchdog(run_dir, local_ranks, cluster.hang_timeout_s, end_hung_run,
+    watchdog = Watchdog(launch_dir, local_ranks, cluster.hang_timeout_s, end_hung_run,
                         startup_s=HANG_STARTUP_S + max(cluster.start_delay_s, default=0.0))
     watchdog.start()
     status, error = "finished", None
     try:
         launch_processes(
             worker_main, (exp.model_dump_json(), str(run_dir), json.dumps(asdict(link)) if link else "",
-                          shaped.worker_json() if shaped else "", str(checkpoint_root(exp, run_dir))), nprocs,
+                          shaped.worker_json() if shaped else "", str(checkpoint_root(exp, run_dir)),
+                          str(launch_dir), key.hex()), nprocs,
             # Launchers of one multi-node run share the id; a local run gets its own, so two
             # runs on one machine can never join each other's rendezvous.
             run_id=RDZV_ID if cluster.rdzv_endpoint else f"{RDZV_ID}-{run_dir.name[:12]}",
@@ -215,30 +256,87 @@ def _launch(exp: Experiment, store_path: Path, on_progress: Callable[[dict[str, 
     if watchdog.message:  # the watchdog ended the run (through SIGTERM to this process)
         status, error = "failed", watchdog.message
 
+    if status == "failed" and (full := full_disk_of(run_dir, checkpoint_root(exp, run_dir))):
+        error = f"{full} ({error})"  # the ranks' own errors only say that a write failed, if anything
+    remove_partial_checkpoints(checkpoint_root(exp, run_dir))
     result = LaunchResult(status, run_id, run_dir, error, logs=logging_to.places if logging_to else {},
                           log_errors=log_errors)
     if store is None or run_id is None:
         return result
     try:
         storing_rows(on_progress)
-        result.rows = ingest_run_dir(store, run_id, run_dir)
-        expected = exp.workload.steps * cluster.world_size
-        if status == "finished" and store.count_steps(run_id) != expected:
-            result.status = "failed"
-            result.error = f"expected {expected} step rows, got {store.count_steps(run_id)}"
-        if reaper.killed:
-            store.add_event(run_id, "exit_hang", f"every rank had finished, but pids {reaper.killed} did not exit "
-                                                 f"within {reaper.grace_s:.0f} s (a torch/gloo teardown hang): killed")
+        events = [("exit_hang", f"every rank had finished, but pids {reaper.killed} did not exit within "
+                                f"{reaper.grace_s:.0f} s (a torch/gloo teardown hang): killed")] if reaper.killed else []
         if watchdog.message:
-            store.add_event(run_id, "hang", watchdog.message)
+            events.append(("hang", watchdog.message))
         elif result.status == "interrupted":
-            store.add_event(run_id, "interrupted", result.error or "")
-        store.mark_done(run_id, result.status, result.error)
+            events.append(("interrupted", result.error or ""))
+        store_rows_and_status(store, run_id, result, exp.workload.steps * cluster.world_size, events)
     finally:
         store.close()
-    if result.status == "finished":
-        shutil.rmtree(run_dir, ignore_errors=True)  # everything is in the store now
     return result
+
+
+def store_rows_and_status(store: Store, run_id: int, result: LaunchResult, expected_steps: int,
+                          events: list[tuple[str, str]]) -> None:
+    """The run's rows from its folder into the store, its events and final status; the folder removed once
+    a finished run's rows are all in the very store the run started with.
+
+    The folder is kept, and StoreError raised naming it, when the store was replaced during the run (a
+    rename over its path: this connection would write to a file nobody sees) or cannot take the rows (a
+    full disk). In the second case the run's outcome is in the folder's outcome file and the run stays
+    unfinished: the next command that opens the store (runtime/recovery.py) stores the rows and gives the
+    run that outcome."""
+    record_outcome(result.run_dir, result.status, result.error, expected_steps)
+    _refuse_a_replaced_store(store, run_id, result.run_dir)
+    try:
+        result.rows = ingest_run_dir(store, run_id, result.run_dir)
+        if result.status == "finished" and store.count_steps(run_id) != expected_steps:
+            result.status = "failed"
+            result.error = f"expected {expected_steps} step rows, got {store.count_steps(run_id)}"
+        for kind, message in events:
+            store.add_event(run_id, kind, message)
+        store.mark_done(run_id, result.status, result.error)
+    except StoreError as exc:
+        raise StoreError(f"run {run_id}'s rows were not stored: {exc}; they are kept in {result.run_dir} "
+                         f"(rank-*.jsonl): once the store can be written, any `ddlscope runs` stores them and marks "
+                         f"the run {result.status}") from None
+    _refuse_a_replaced_store(store, run_id, result.run_dir)
+    if result.status == "finished":
+        shutil.rmtree(result.run_dir, ignore_errors=True)  # everything is in the store now
+
+
+def _refuse_a_replaced_store(store: Store, run_id: int, run_dir: Path) -> None:
+    if not store.still_at_path():
+        raise StoreError(f"store {store.path.resolve()} was replaced or removed during run {run_id}: it is not the "
+                         f"file the run started with, so the run's rows were not stored there; they are kept in "
+                         f"{run_dir} (rank-*.jsonl)")
+
+
+# Below this much free space a filesystem counts as full: a failed write there is the disk's doing.
+FULL_DISK_BYTES = 1 << 20
+
+
+def full_disk_of(*paths: Path) -> str | None:
+    """'no space left on device: the filesystem of PATH is full' for the first of `paths` on a full
+    filesystem, or None."""
+    for path in paths:
+        probe = path
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            free = shutil.disk_usage(probe).free
+        except OSError:
+            continue
+        if free < FULL_DISK_BYTES:
+            return f"no space left on device: the filesystem of {path.resolve()} is full ({free} bytes free)"
+    return None
+
+
+def remove_partial_checkpoints(root: Path) -> None:
+    """A checkpoint the ranks did not finish (a full disk, a crash mid-write) is never read: remove it."""
+    for partial in root.glob("step-*.partial") if root.is_dir() else ():
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _open_sinks(exp: Experiment, run_dir: Path, sinks: SinkChoice) -> Sinks:
@@ -253,16 +351,18 @@ def _open_sinks(exp: Experiment, run_dir: Path, sinks: SinkChoice) -> Sinks:
 HANG_STARTUP_S = 300.0
 
 
-def end_hung_run(message: str, pids: list[int]) -> None:
+def end_hung_run(message: str, beats: list[Beat]) -> None:
     """The watchdog found a hang: stop the elastic agent (a SIGTERM to this process, which the agent
     turns into an orderly shutdown without restarts) and kill every rank at once (a stopped rank
     cannot act on anything gentler)."""
     os.kill(os.getpid(), signal.SIGTERM)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_ranks(beats)
+
+
+def kill_ranks(beats: list[Beat]) -> list[int]:
+    """SIGKILL the processes the beats are from, each only if it is the very process that beat (its
+    start time) and one this launcher started (heartbeat.signal_own_process); the pids killed."""
+    return [b.pid for b in beats if signal_own_process(b.pid, signal.SIGKILL, b.started_ticks)]
 
 
 def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs: int, *, run_id: str,
@@ -426,7 +526,10 @@ def quiet_torch_logging() -> None:
     ddlscope reports a failure itself in one line and keeps the full traceback
     in the worker logs, so the agent's own logging would only repeat it.
     """
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    quieted = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    # torch's get_logger gives each module's logger a level of its own, which a parent's does not override
+    # (an unreadable error file of a rank on a full disk was logged with its traceback, 17 lines).
+    for name in [*quieted, *(n for n in list(logging.Logger.manager.loggerDict) if n.startswith(quieted))]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -462,12 +565,8 @@ class ExitReaper(threading.Thread):
             all_done_at = all_done_at or time.monotonic()
             if time.monotonic() - all_done_at < self.grace_s:
                 continue
-            for pid in filter(_running, pids):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    self.killed.append(pid)
-                except ProcessLookupError:
-                    pass  # it exited after all
+            # A marker names a pid in a file: only a process this launcher started is signalled.
+            self.killed += [pid for pid in filter(_running, pids) if signal_own_process(pid, signal.SIGKILL)]
             return
 
 

@@ -120,6 +120,42 @@ def read_records(path: Path) -> Iterator[dict[str, Any]]:
                 yield record
 
 
+# The launcher's verdict on a run, kept in its folder until the run's rows are in the store: what recovery
+# gives a run whose rows the launcher could not store. Made at the start at its full size, so that
+# writing it at the end, over the same bytes, needs no new space on a disk that has filled up meanwhile.
+OUTCOME_FILE = "outcome.json"
+OUTCOME_BYTES = 4096
+
+
+def reserve_outcome(run_dir: Path) -> None:
+    """Make the run's outcome file at its full size (spaces: no outcome yet)."""
+    (run_dir / OUTCOME_FILE).write_bytes(b" " * OUTCOME_BYTES)
+
+
+def record_outcome(run_dir: Path, status: str, error: str | None, expected_steps: int) -> None:
+    """Write the launcher's verdict over the reserved bytes (best effort: recovery does without it)."""
+    record = {"status": status, "error": error, "expected_steps": expected_steps}
+    data = json.dumps(record).encode()
+    if len(data) > OUTCOME_BYTES:
+        record["error"] = (error or "")[:OUTCOME_BYTES // 2] + "..."
+        data = json.dumps(record).encode()
+    try:
+        with open(run_dir / OUTCOME_FILE, "r+b") as f:
+            f.write(data.ljust(OUTCOME_BYTES))
+    except OSError:
+        pass
+
+
+def read_outcome(run_dir: Path) -> dict[str, Any] | None:
+    """The verdict record_outcome wrote, or None (none written, or unreadable)."""
+    try:
+        record = json.loads((run_dir / OUTCOME_FILE).read_bytes() or b"null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("status") in ("finished", "failed", "interrupted") \
+        else None
+
+
 def run_dir_for(store_path: Path, run_uuid: str) -> Path:
     """A run's folder (row files, logs, heartbeats, checkpoints): beside the store, by uuid."""
     return store_path.resolve().parent / "ddlscope-runs" / run_uuid

@@ -91,11 +91,16 @@ def run_cells(study_name: str, cells: list[Cell], db: Path, fresh: bool,
     """Run every cell not already in the store (all of them with fresh=True).
 
     A cell that fails stops the study: its run stays in the store as failed,
-    and the next invocation reruns it while reusing the finished ones. `on_row`: what a running
+    and the next invocation reruns it while reusing the finished ones; it first recovers the runs whose
+    launcher died (a killed study's), as every command that opens the store does. `on_row`: what a running
     cell's launcher reports (its steps and phases, runtime/launcher.py), for a progress display.
     """
     from ddlscope.runtime.launcher import launch
+    from ddlscope.runtime.recovery import recover_orphaned_runs
 
+    if db.exists():  # a killed earlier invocation's run would otherwise stay `running` until the next `runs`
+        with Store(db) as store:
+            recover_orphaned_runs(store, db)
     results = []
     for index, cell in enumerate(cells):
         name = run_name(study_name, cell)
