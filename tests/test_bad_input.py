@@ -5,6 +5,7 @@ typer app in this process (fast), a few a real `ddlscope` process, as a user wou
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -321,6 +322,70 @@ CASES: dict[str, tuple[list[str], str]] = {
     "slurm-set-newline": (["slurm", *SLURM, "--set", "name=\"a\nb\""], "--set"),
     "slurm-binary-config": (["slurm", "garbage.toml", "--nodes", "2", "--procs-per-node", "2"], "not valid TOML"),
     "slurm-bad-config": (["slurm", "indivisible.toml", "--nodes", "2", "--procs-per-node", "4"], "divisible"),
+    # ---- issue 40: references the store cannot look up, text that is not UTF-8, names past a bound
+    "show-run-id-past-int64": (["show", "99999999999999999999", "--db", "s.db"], "RUN = '99999999999999999999'"),
+    "export-run-id-past-int64": (["export", "99999999999999999999", "--db", "s.db"], "RUN = '99999999999999999999'"),
+    "runs-limit-past-int64": (["runs", "--limit", "99999999999999999999", "--db", "s.db"], "--limit"),
+    "show-superscript-digit": (["show", "²", "--db", "s.db"], "RUN = '²'"),
+    "show-empty-run": (["show", "", "--db", "s.db"], "RUN = ''"),
+    "export-empty-run": (["export", "", "--db", "s.db"], "RUN = ''"),
+    "report-empty-run": (["report", "", "--db", "s.db"], "RUN = ''"),
+    "resume-empty-run": (["run", "--resume", "", "--db", "s.db"], "--resume = ''"),
+    "show-not-utf8": (["show", "\udcff", "--db", "s.db"], "RUN = '\\xff'"),
+    "run-name-not-utf8": (["run", "--name", "\udcff"], "--name = '\\xff'"),
+    "report-title-not-utf8": (["report", "1", "--title", "\udcff", "--db", "s.db"], "--title = '\\xff'"),
+    "name-too-long": (["run", "--name", "x" * 100_000], "name"),
+    # ---- issue 40: config files that are not regular files
+    "run-config-fifo": (["run", "fifo.toml"], "fifo.toml is a FIFO"),
+    "run-config-device": (["run", "/dev/zero"], "/dev/zero is a device"),
+    "run-config-symlink-loop": (["run", "loop.toml"], "loop.toml is a symbolic link that loops"),
+    # ---- issue 40: values past a physical bound (docs/bad-input.md, Limits), accepted before, then failing
+    # or hanging inside the ranks
+    "network-bandwidth-tiny": (["run", "--set", "cluster.network.profile=custom", "--set", "cluster.network.alpha_us=1",
+                                "--set", "cluster.network.bandwidth_gbps=5e-324"], "cluster.network.bandwidth_gbps"),
+    "network-alpha-huge": (["run", "--set", "cluster.network.profile=custom", "--set", "cluster.network.alpha_us=1e308",
+                            "--set", "cluster.network.bandwidth_gbps=10"], "cluster.network.alpha_us"),
+    "lr-huge": (["run", "--set", "workload.lr=1e308"], "workload.lr"),
+    "weight-decay-huge": (["run", "--set", "workload.weight_decay=1e308"], "workload.weight_decay"),
+    "diloco-outer-lr-huge": (["run", "--strategy", "diloco", "--set", "strategy.outer_lr=1e308"], "strategy.outer_lr"),
+    "slowdown-huge": (["run", "--set", "cluster.slowdown=[1e308, 1]"], "slowdown"),
+    "start-delay-huge": (["run", "--set", "cluster.start_delay_s=[1e308, 0]"], "start delays"),
+    "threads-per-rank-huge": (["run", "--set", f"cluster.threads_per_rank={2**63}"], "cluster.threads_per_rank"),
+    "worker-speeds-huge": (["run", "--set", "strategy.batch_split=\"declared\"", "--set",
+                            "strategy.worker_speeds=[1e308, 1e308]"], "strategy.worker_speeds"),
+    "mlp-hidden-huge": (["run", "--set", f"workload.hidden={2**40}"], "workload.hidden"),
+    "graph-degree-huge": (["run", "--workload", "graph-transformer", "--set", f"workload.degree_in={2**62}"],
+                          "degree_in"),
+    "gossip-dp-noise-tiny": (["run", "--strategy", "gossip", "--set", "strategy.dp_noise_multiplier=1e-300"],
+                             "strategy.dp_noise_multiplier"),
+    # ---- issue 40: combinations, and what this machine must have, known before launch
+    "localsgd-group-size-over-world": (["run", "--strategy", "localsgd", "--set", "strategy.period=4", "--set",
+                                        "strategy.group_period=2", "--set", "strategy.group_size=4"],
+                                       "strategy.group_size = 4"),
+    "gossip-one-rank": (["run", "--strategy", "gossip", "--world-size", "1"], "cluster.world_size = 1"),
+    "fedavg-parquet": (["run", "--strategy", "fedavg", "--set", "workload.data=parquet"], "workload.data"),
+    "fedavg-empty-blocks": (["run", "--strategy", "fedavg", "--workload", "graph-transformer", "--set",
+                             "strategy.partition=block-cyclic", "--set", "strategy.blocks=5"], "strategy.blocks = 5"),
+    "pipeline-batch-not-dividing-dp": (["run", "--strategy", "pipeline", "--workload", "gpt-synthetic", "--world-size",
+                                        "4", "--set", "strategy.dp=2", "--batch-size", "36"], "strategy.dp"),
+    "backend-nccl-without-gpu": (["run", "--set", "cluster.backend=nccl"], "cluster.backend = 'nccl'"),
+    "device-cuda-without-gpu": (["run", "--set", "cluster.device=cuda"], "cluster.device = 'cuda'"),
+    "save-model-to-device": (["run", "--set", "save_model_path=\"/dev/full\""], "save_model_path"),
+    "checkpoint-dir-read-only": (["run", "--set", "checkpoint_dir=\"ro/ck\""], "checkpoint_dir"),
+    "cache-dir-is-file": (["run"], "DDLSCOPE_CACHE_DIR"),
+    # ---- issue 40: sweeps refused before their first cell, omnivore-tune before its first probe
+    "sweep-output-missing-folder": (["sweep", "sweep-ok.toml", "-o", "missing/r.html"], "--output missing/r.html"),
+    "sweep-too-many-cells": (["sweep", "sweep-huge.toml"], "1,000,000 cells"),
+    "sweep-same-cell-twice": (["sweep", "sweep-twice.toml"], "the same experiment"),
+    "sweep-shared-checkpoint-dir": (["sweep", "sweep-checkpoints.toml"], "checkpoint_dir"),
+    "omnivore-tune-groups-zero": (["omnivore-tune", "--groups", "0"], "--groups = 0"),
+    "omnivore-tune-workers-zero": (["omnivore-tune", "--workers", "0"], "--workers = 0"),
+    "omnivore-tune-target-nan": (["omnivore-tune", "--target-loss", "nan"], "--target-loss = nan"),
+    # ---- issue 40: predict values that priced a step of nan seconds
+    "predict-capacity-factor-huge": (["predict", "--cluster", "h100:1x8", *MODEL, "--experts", "4",
+                                      "--capacity-factor", "1e300"], "capacity_factor"),
+    "predict-expert-imbalance-huge": (["predict", "--cluster", "h100:1x8", *MODEL, "--experts", "4",
+                                       "--expert-imbalance", "1e300"], "expert_imbalance"),
     # ---- commands and options
     "unknown-command": (["nope"], "nope"),
     "unknown-option": (["strategies", "--nope"], "--nope"),
@@ -329,6 +394,13 @@ CASES: dict[str, tuple[list[str], str]] = {
 
 # Cases that need a package to be missing: it is hidden from imports (sys.modules[name] = None) for the case.
 HIDDEN_PACKAGES = {"run-log-library-missing": "wandb"}
+# Cases that need an environment variable set.
+ENVIRONMENT = {"cache-dir-is-file": {"DDLSCOPE_CACHE_DIR": "ok.toml"}}
+# Cases refused because this machine has no GPU: where torch finds one, they are valid runs.
+WITHOUT_CUDA = ("backend-nccl-without-gpu", "device-cuda-without-gpu")
+# The folder `workdir` makes read-only. Root writes through a folder's mode, so for root the test makes the
+# folder read-only to os.access too (what the check asks, and what a read-only mount answers root).
+READ_ONLY = "ro"
 
 
 def _make_store(db: Path) -> None:
@@ -379,6 +451,19 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "garbage.json").write_bytes(b"\x00\x01garbage{")
     (tmp_path / "garbage.db").write_bytes(b"not a database, just bytes " * 100)
     (tmp_path / "dir.db").mkdir()
+    (tmp_path / READ_ONLY).mkdir(mode=0o555)
+    os.mkfifo(tmp_path / "fifo.toml")
+    (tmp_path / "loop.toml").symlink_to("loop.toml")
+    sweep = 'name = "s"\n[base.workload]\nname = "mlp-digits"\nsteps = 2\n'
+    (tmp_path / "sweep-ok.toml").write_text(sweep + '[grid]\n"strategy.name" = ["ddp"]\n')
+    values = ", ".join(str(v) for v in range(1, 101))
+    (tmp_path / "sweep-huge.toml").write_text(
+        sweep.replace("steps = 2\n", "") + "[grid]\n" + "".join(f'"workload.{f}" = [{values}]\n'
+                                                               for f in ("steps", "eval_every", "eval_batches")))
+    (tmp_path / "sweep-twice.toml").write_text(sweep + '[grid]\n"strategy.bucket_mb" = [1, 1.0]\n')
+    (tmp_path / "sweep-checkpoints.toml").write_text(
+        'name = "s"\n[base]\ncheckpoint_dir = "ck"\n[base.workload]\nname = "mlp-digits"\nsteps = 2\n'
+        '[grid]\n"strategy.name" = ["ddp", "localsgd"]\n')
     (tmp_path / "script.py").write_text("raise SystemExit('a bad-input case ran the script')\n")
     _make_store(tmp_path / "s.db")
     _make_traces(tmp_path)
@@ -387,7 +472,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _listing(root: Path) -> dict[str, float]:
-    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if not p.name.endswith(("-wal", "-shm"))}
+    # lstat: loop.toml is a link to itself
+    return {str(p.relative_to(root)): p.lstat().st_mtime for p in root.rglob("*")
+            if not p.name.endswith(("-wal", "-shm"))}
 
 
 def _runs(db: Path) -> int:
@@ -400,6 +487,15 @@ def test_bad_input(case: str, workdir: Path, capsys: pytest.CaptureFixture[str],
     argv, names = CASES[case]
     if case in HIDDEN_PACKAGES:
         monkeypatch.setitem(sys.modules, HIDDEN_PACKAGES[case], None)
+    for key, value in ENVIRONMENT.get(case, {}).items():
+        monkeypatch.setenv(key, value)
+    if case in WITHOUT_CUDA:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU: the run is valid here")
+    if os.geteuid() == 0:
+        _read_only_for_root(workdir / READ_ONLY, monkeypatch)
     before = _listing(workdir)
     rc = main(argv)
     out, err = capsys.readouterr()
@@ -413,6 +509,16 @@ def test_bad_input(case: str, workdir: Path, capsys: pytest.CaptureFixture[str],
     documented = _documented_message(case)
     assert documented == lines[0].replace(str(workdir), "$PWD").replace("|", "\\|"), \
         f"docs/bad-input.md shows another message for {case}: {documented}"
+
+
+def _read_only_for_root(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    access = os.access
+
+    def read_only(path: object, mode: int, **kwargs: object) -> bool:
+        inside = Path(str(path)).resolve() == folder.resolve() or folder.resolve() in Path(str(path)).resolve().parents
+        return False if inside and mode & os.W_OK else access(path, mode, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "access", read_only)
 
 
 def _documented_message(case: str) -> str:

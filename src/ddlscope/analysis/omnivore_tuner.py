@@ -57,6 +57,24 @@ class Probe:
         return max(start_loss - target_loss, 0.0) / drop * self.time_per_sample_s
 
 
+def check_settings(workers: int, momentum: float, groups: list[int] | None = None,
+                   target_loss: float | None = None) -> None:
+    """Refuse (ValueError, one line naming the flag) what the tuner cannot probe: no workers, a group count
+    that does not divide them (0 divided by zero picking its momentum), a target loss that is not a number
+    (nan compared as no probe reaching it, and the pick said so quietly)."""
+    if workers < 1:
+        raise ValueError(f"--workers = {workers}: must be >= 1")
+    for k in groups or []:
+        if k < 1 or workers % k:
+            allowed = ", ".join(str(d) for d in range(1, workers + 1) if workers % d == 0)
+            raise ValueError(f"--groups = {k}: must divide --workers = {workers} (equal compute groups); "
+                             f"allowed: {allowed}")
+    if not math.isfinite(momentum) or not 0 <= momentum < 1:
+        raise ValueError(f"--momentum = {momentum}: must be a number from 0 to below 1")
+    if target_loss is not None and not math.isfinite(target_loss):
+        raise ValueError(f"--target-loss = {target_loss}: must be a finite number")
+
+
 def candidates(workers: int, momentum: float, groups: list[int] | None = None,
                keep_momentum: bool = True) -> list[tuple[int, float]]:
     """(groups, explicit momentum) pairs to probe: every k that divides the workers (or those given), each

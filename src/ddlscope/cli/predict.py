@@ -57,7 +57,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from ddlscope.cli.common import (DEFAULT_DB, DbOption, JsonOption, RunArg, cluster_from_text, console, db_option,
-                                 require_store)
+                                 require_store, run_ref_callback)
 from ddlscope.specs import ConfigError
 from ddlscope.specs.prediction import CNN_MODELS, ModelInput, PredictionInput, read_input
 from ddlscope.store import Store
@@ -161,7 +161,8 @@ def predict_command(
                                   "sustained_fraction to it, print it, and predict with it.")] = None,
     as_json: JsonOption = False,
     against: Annotated[Optional[str], typer.Option(
-        "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.")] = None,
+        "--against", metavar="RUN", help="Predict a stored local run with this machine's calibration instead.",
+        callback=run_ref_callback)] = None,
     calibration: PredictCalibrationOpt = None,
     db: PredictDbOpt = DEFAULT_DB,
 ) -> None:

@@ -15,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.markup import escape
 from rich.table import Column, Table
 
-from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_local_ranks, check_run_outputs, console,
+from ddlscope.cli.common import (DEFAULT_DB, DbOption, UserError, check_local_ranks, check_output_folder,
+                                 check_run_outputs, console,
                                  err_console, progress_phase)
 from ddlscope.specs import ConfigError
 
@@ -104,8 +105,8 @@ def _duration(seconds: float) -> str:
 
 
 def sweep(
-    grid: Annotated[Path, typer.Argument(metavar="GRID.toml", help="Sweep file: name, repeats, [base] experiment, "
-                                         "[grid] of dotted fields and their values (docs/user-guide.md).")],
+    grid: Annotated[Path, typer.Argument(metavar="GRID.toml", help="Sweep file: name, repeats, \\[base] experiment, "  # \\[: rich markup reads [base] as a tag
+                                         "\\[grid] of dotted fields and their values (docs/user-guide.md).")],
     fresh: Annotated[bool, typer.Option("--fresh", help="Rerun every cell instead of reusing finished ones.")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="HTML report path (default: NAME-report.html).")] = None,
     repeats: Annotated[Optional[int], typer.Option(
@@ -121,8 +122,9 @@ def sweep(
         check_run_outputs(cell.experiment)
         check_local_ranks(cell.experiment)
     check_db_folder(db)
-    run_study_command("sweep", study, study.name, cells, db, fresh, output or Path(f"{study.name}-report.html"),
-                      f"ddlscope sweep {study.name}")
+    report_path = output or Path(f"{study.name}-report.html")
+    check_output_folder(report_path, "--output")  # the report is written after the last cell
+    run_study_command("sweep", study, study.name, cells, db, fresh, report_path, f"ddlscope sweep {study.name}")
 
 
 def studies() -> None:
@@ -256,7 +258,7 @@ def omnivore_tune(
 ) -> None:
     """Omnivore's optimizer: probe (groups, momentum) pairs in short omnivore runs, print what each measured
     (time per sample, loss decrease per sample) and pick the least predicted time to a target loss."""
-    from ddlscope.analysis.omnivore_tuner import table_rows
+    from ddlscope.analysis.omnivore_tuner import check_settings, table_rows
     from ddlscope.studies.base import StudyCellFailed
     from ddlscope.studies.omnivore_tune import STUDY_NAME, TuneSettings, probe_cells, tune
 
@@ -264,6 +266,10 @@ def omnivore_tune(
         chosen_groups = tuple(int(g) for g in groups.split(",")) if groups else ()
     except ValueError:
         raise UserError(f"--groups {groups!r}: give comma-separated integers, e.g. 1,2") from None
+    try:
+        check_settings(workers, momentum, list(chosen_groups), target_loss)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     settings = TuneSettings(workers, steps, workload, batch_size, lr, momentum, chosen_groups, keep_momentum)
     check_db_folder(db)
     for cell in probe_cells(settings):  # every probe validated (groups, workers, momentum) before the first runs

@@ -37,10 +37,15 @@ def validate_model(model: ModelSpec, cluster: Cluster) -> None:
         raise ConfigError(f"experts = {model.experts}: must be 0 (a dense MLP) to {2**16:,}")
     if model.is_moe and not 1 <= model.top_k <= model.experts:
         raise ConfigError(f"top_k = {model.top_k}: must be 1 to experts = {model.experts}")
-    if model.capacity_factor != 0 and not model.capacity_factor >= 1:
-        raise ConfigError(f"capacity_factor = {model.capacity_factor}: must be 0 (dropless) or >= 1")
-    if not model.expert_imbalance >= 1:
-        raise ConfigError(f"expert_imbalance = {model.expert_imbalance}: must be >= 1 (busiest expert / the mean)")
+    # An expert takes each token once at most, so its load is at most every token: experts / top_k times the
+    # mean. A buffer or an imbalance past that is no load at all (1e300 priced a step of nan seconds).
+    most = model.experts / model.top_k if model.is_moe else 1.0
+    if model.capacity_factor != 0 and not 1 <= model.capacity_factor <= max(most, 1.0):
+        raise ConfigError(f"capacity_factor = {model.capacity_factor:g}: must be 0 (dropless) or 1 to experts / top_k "
+                          f"= {most:g} (an expert's buffer past every token holds nothing more)")
+    if not 1 <= model.expert_imbalance <= max(most, 1.0):
+        raise ConfigError(f"expert_imbalance = {model.expert_imbalance:g}: must be 1 to experts / top_k = {most:g} "
+                          "(busiest expert / the mean; the busiest takes every token at most)")
     cluster.device.peak(model.dtype)  # raises for a dtype the device has no peak for
 
 

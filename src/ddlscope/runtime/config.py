@@ -7,7 +7,10 @@ Everything that goes wrong here is a ConfigError with a one-line message.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -37,12 +40,33 @@ def load_experiment(path: str | Path | None = None, overrides: dict[str, Any] | 
     return experiment_from_dict(raw)
 
 
+# A config file is a few kB; past this it is not one (and reading it whole would take the memory).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError(f"config file {path} is a symbolic link that loops; give the TOML file") from None
+        if path.is_symlink():
+            raise ConfigError(f"config file {path} is a symbolic link to {os.readlink(path)}, which does not "
+                              "exist") from None
+        if exc.errno == errno.ENOENT:
+            raise ConfigError(f"config file {path} does not exist") from None
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
         raise ConfigError(f"config file {path} is a folder: give the TOML file in it")
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+    if not stat.S_ISREG(mode):
+        # A FIFO would block the read forever, /dev/zero would never end it.
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        raise ConfigError(f"config file {path} is {kind}: give a TOML file")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} holds {path.stat().st_size:,} bytes, more than a config's "
+                          f"{MAX_CONFIG_BYTES:,}: give the TOML file")
     try:
         return tomllib.loads(path.read_text())
     except OSError as exc:

@@ -20,11 +20,27 @@ class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
+# A value longer than this is shown cut: a 100 kB string would make the one line 100 kB.
+MAX_SHOWN_CHARS = 120
+
+
+class _Shown:
+    """A value's repr, cut to MAX_SHOWN_CHARS with its length said."""
+
+    def __init__(self, value: Any):
+        self.text = repr(value)
+        if len(self.text) > MAX_SHOWN_CHARS:
+            self.text = f"{self.text[:MAX_SHOWN_CHARS - 40]}... ({len(self.text):,} characters)"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
     """Turn pydantic's first error into one line: field, value, what is allowed."""
     first = err.errors(include_url=False)[0]
     loc = ".".join(str(p) for p in (prefix, *first["loc"]) if p != "")
-    value = first.get("input")
+    value = _Shown(first.get("input"))
     if first["type"] == "missing":  # the input is the whole table: naming the field says it all
         return f"{loc}: required, missing"
     if first["type"] == "extra_forbidden":

@@ -21,6 +21,15 @@ from ddlscope.specs.strategy import StrategySpec
 MAX_BATCH = 2**20
 MAX_STEPS = 10**9
 MAX_RANKS = 2**20
+# Physical bounds, reasoned in docs/bad-input.md (Limits): each value past them was accepted, then failed (or
+# hung) inside the ranks. A learning rate or decay above 1e6 multiplies float32 weights past their range in a step.
+MAX_LR = 1e6
+MAX_WIDTH = 65_536  # hidden sizes: the widest published model uses 16,384; hf sources take 65,536
+MAX_GRAPH_EDGES = 2**28  # drawn in-edges of the generated graph: ~12 bytes each, 3 GiB in every rank
+MAX_SLOWDOWN = 1_000.0  # a rank 1000x slower turns a 10 ms step into 10 s: a hang, not a straggler
+MAX_START_DELAY_S = 3_600.0  # an hour, as a preemption's down_s
+MAX_THREADS_PER_RANK = 1_024  # more than any node's cores
+MAX_NAME_CHARS = 256  # a run's name labels tables and report titles; 100 kB made `show` spin
 
 
 class WorkloadSpec(Spec):
@@ -53,6 +62,36 @@ class WorkloadSpec(Spec):
             raise ValueError(f"{value} is more than {bound:,}" + (" samples per step" if bound == MAX_BATCH else ""))
         return value
 
+    @field_validator("lr", "weight_decay", check_fields=False)
+    @classmethod
+    def _finite_step(cls, value: float, info) -> float:  # noqa: ANN001
+        # A validator, not `le=`: workloads redeclare lr with their own defaults.
+        if isinstance(value, float) and value > MAX_LR:
+            raise ValueError(f"{value:g} is more than {MAX_LR:g} (a step that large overflows float32 weights)")
+        return value
+
+    @field_validator("hidden", check_fields=False)
+    @classmethod
+    def _not_too_wide(cls, value: int) -> int:
+        if isinstance(value, int) and value > MAX_WIDTH:
+            raise ValueError(f"{value} is more than {MAX_WIDTH:,} (the widest published model uses 16,384)")
+        return value
+
+    @model_validator(mode="after")
+    def _graph_fits(self) -> "WorkloadSpec":
+        # The generated graph's knobs (workloads/graph.py): each node draws degree_in + degree_out in-edges.
+        nodes, d_in, d_out = (getattr(self, k, None) for k in ("nodes", "degree_in", "degree_out"))
+        if None in (nodes, d_in, d_out):
+            return self
+        for field, degree in (("degree_in", d_in), ("degree_out", d_out)):
+            if degree > nodes:
+                raise ValueError(f"{field} = {degree}: at most nodes = {nodes} (a node's draws past the graph's "
+                                 "nodes are duplicates, dropped)")
+        if nodes * (d_in + d_out + 1) > MAX_GRAPH_EDGES:
+            raise ValueError(f"nodes x (degree_in + degree_out + 1) = {nodes * (d_in + d_out + 1):,} edges: at most "
+                             f"{MAX_GRAPH_EDGES:,} (about 12 bytes each, in every rank)")
+        return self
+
 
 @dataclass(frozen=True)
 class NetworkProfile:
@@ -82,8 +121,13 @@ TARGET_COMPUTE_EFFICIENCY = 0.4
 class NetworkSpec(Spec):
     profile: Literal["local", "fast", "slow", "custom"] = Field(
         "local", description="local: no emulation; fast/slow: the main study's clusters; custom: alpha_us + bandwidth_gbps")
-    alpha_us: float | None = Field(None, ge=0, description="per-message latency, microseconds (overrides the profile's)")
-    bandwidth_gbps: float | None = Field(None, gt=0, description="per-rank link bandwidth, Gbit/s (overrides the profile's)")
+    # Bounds: a message's wait alpha + bytes/bandwidth must be a time a timer can sleep (5e-324 Gb/s overflowed
+    # in a rank's comm callback and hung the run). 1 Mb/s is slower than any datacenter link, 1 Pb/s faster
+    # than any; 10 s of latency is past any network, even across continents.
+    alpha_us: float | None = Field(None, ge=0, le=1e7, description="per-message latency, microseconds (overrides "
+                                                                  "the profile's), at most 10 s")
+    bandwidth_gbps: float | None = Field(None, ge=1e-3, le=1e6, description="per-rank link bandwidth, Gbit/s "
+                                                                          "(overrides the profile's), 1e-3 to 1e6")
     scaled: bool = Field(False, description="divide bandwidth by (target device FLOP/s / this machine's), "
                                             "so communication-to-computation matches the target cluster")
     mode: Literal["emulated", "shaped"] = Field(
@@ -144,7 +188,8 @@ class ClusterSpec(Spec):
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous (default: 127.0.0.1 and a free port)")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl when CUDA is present, else gloo")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads_per_rank: int = Field(1, ge=1, description="intra-op threads per rank (1 avoids oversubscription)")
+    threads_per_rank: int = Field(1, ge=1, le=MAX_THREADS_PER_RANK,
+                                  description="intra-op threads per rank (1 avoids oversubscription)")
     slowdown: list[float] = Field(default_factory=list, description="per-rank compute slowdown factors (>= 1), e.g. [1, 2]")
     start_delay_s: list[float] = Field(default_factory=list, description="per-rank start delays in seconds")
     jitter: float = Field(0.0, ge=0, le=10, description="random extra compute per step: up to this fraction, uniform, seeded per rank")
@@ -177,6 +222,9 @@ class ClusterSpec(Spec):
                 raise ValueError(f"{field} has {len(values)} entries; give one per rank ({self.world_size}) or none")
         if any(f < 1 for f in self.slowdown):
             raise ValueError(f"slowdown factors must be >= 1, got {self.slowdown}")
+        if any(f > MAX_SLOWDOWN for f in self.slowdown):
+            raise ValueError(f"slowdown factors must be at most {MAX_SLOWDOWN:g} (a straggler, not a hang), "
+                             f"got {self.slowdown}")
         if any(p.rank >= self.world_size for p in self.preemptions):
             raise ValueError(f"a preemption names a rank outside the workers 0..{self.world_size - 1}")
         if len({p.rank for p in self.preemptions}) < len(self.preemptions):
@@ -185,6 +233,8 @@ class ClusterSpec(Spec):
             raise ValueError(f"a fault names a rank outside 0..{self.world_size - 1}")
         if any(d < 0 for d in self.start_delay_s):
             raise ValueError(f"start delays must be >= 0, got {self.start_delay_s}")
+        if any(d > MAX_START_DELAY_S for d in self.start_delay_s):
+            raise ValueError(f"start delays must be at most {MAX_START_DELAY_S:g} s (an hour), got {self.start_delay_s}")
         return self
 
     def slowdown_of(self, rank: int) -> float:
@@ -209,6 +259,14 @@ class Experiment(Spec):
                                                              "the last one (0: off)")
     trace_steps: int = Field(0, ge=0, description="torch.profiler trace of steps 1..N on every rank (0: off); "
                              "`ddlscope trace RUN` merges them")
+
+    @field_validator("name")
+    @classmethod
+    def _name_fits(cls, name: str) -> str:
+        if len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"{len(name):,} characters, more than {MAX_NAME_CHARS} (a name labels tables and "
+                             "report titles)")
+        return name
 
     def per_rank_batch(self) -> int:
         if self.strategy.traits.splits_global_batch:

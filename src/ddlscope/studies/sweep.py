@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import statistics
 import re
 from pathlib import Path
@@ -33,12 +34,17 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ddlscope.runtime.config import PLUGIN_SECTIONS, experiment_from_dict, plugin_spec_class, read_toml, set_dotted
+from ddlscope.runtime.config import (PLUGIN_SECTIONS, experiment_from_dict, experiment_to_dict, plugin_spec_class,
+                                     read_toml, set_dotted)
 from ddlscope.specs import ConfigError, describe_validation_error, remember_spec_class
 from ddlscope.studies.base import (MAX_REPEATS, Cell, CellResult, CellRow, Findings, Study, cell_rows, is_one_process,
                                    measurement_notes, median_or_none)
 
 GRID_SECTIONS = ("workload", "strategy", "cluster")
+# Cells (grid combinations x seeds) one sweep may hold: each is a real run of seconds to minutes, so 1,000 is
+# more than a day on one machine; and every cell is expanded and validated before the first starts (a grid of
+# 10**6 was silent for minutes doing only that).
+MAX_SWEEP_CELLS = 1_000
 SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -103,11 +109,46 @@ def load_sweep(path: str | Path, repeats: int | None = None) -> tuple[SweepStudy
         spec = SweepSpec.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(f"{path}: {describe_validation_error(err)}") from None
+    sizes = [len(values) for values in spec.grid.values()]
+    total = math.prod(sizes) * spec.repeats
+    if total > MAX_SWEEP_CELLS:
+        seeds = f" x {spec.repeats} seeds" if spec.repeats > 1 else ""
+        raise ConfigError(f"{path}: grid: {' x '.join(map(str, sizes))} values{seeds} = {total:,} cells, more than "
+                          f"{MAX_SWEEP_CELLS:,} (each cell is a real run); split the grid into several sweeps")
     study = SweepStudy(spec)
     try:
-        return study, study.cells()
+        cells = study.cells()
+        check_distinct(cells)
+        return study, cells
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+def check_distinct(cells: list[Cell]) -> None:
+    """Refuse cells that would run the same experiment (grid values alike but for their type, 1 and 1.0),
+    or write the same checkpoint folder or model file: the second cell found the first's checkpoints and
+    failed, after the first had run."""
+    seen: dict[str, str] = {}
+    for cell in cells:
+        if cell.labels.get("seed", 0):
+            continue  # a further seed of a cell (_reseeded): the same experiment but for its seed
+        text = json.dumps(experiment_to_dict(cell.experiment), sort_keys=True)
+        if text in seen:
+            raise ConfigError(f"cells {seen[text]} and {cell.key} are the same experiment (grid values that differ "
+                              "only in how they are written, such as 1 and 1.0); list each value once")
+        seen[text] = cell.key
+    for field in ("checkpoint_dir", "save_model_path"):
+        owners: dict[str, str] = {}
+        for cell in cells:
+            value = getattr(cell.experiment, field)
+            if value is None:
+                continue
+            where = str(Path(value).resolve())
+            if where in owners:
+                raise ConfigError(f"{field} = {value}: cells {owners[where]} and {cell.key} would both write it; "
+                                  "leave it out of [base] (each run keeps its checkpoints in its own folder) or "
+                                  "give each cell its own in [grid]")
+            owners[where] = cell.key
 
 
 class SweepStudy(Study):

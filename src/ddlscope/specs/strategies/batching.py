@@ -82,6 +82,9 @@ def step_slowdowns(slowdowns: Sequence[float], speeds: Sequence[float] | None) -
 BatchSplit = Literal["equal", "declared", "cluster"]
 
 
+MAX_WORKER_SPEED = 1e9
+
+
 class HeteroBatchKnobs(StrategySpec):
     """Static heterogeneity-aware batching (Hogbatch): each worker's batch from a speed."""
 
@@ -99,6 +102,11 @@ class HeteroBatchKnobs(StrategySpec):
     def _positive_speeds(cls, speeds: list[float]) -> list[float]:
         if any(not math.isfinite(s) or s <= 0 for s in speeds):
             raise ValueError(f"worker speeds must be positive, got {speeds}")
+        # Relative speeds, so any unit; past 1e9 their sum (the split's denominator) can overflow, and no
+        # worker processes a billion samples a second.
+        if any(s > MAX_WORKER_SPEED for s in speeds):
+            raise ValueError(f"worker speeds must be at most {MAX_WORKER_SPEED:g} (they are relative: scale them "
+                             f"down), got {speeds}")
         return speeds
 
     def declared_speeds(self, slowdowns: Sequence[float]) -> list[float] | None:

@@ -63,6 +63,15 @@ class FedAvgSpec(StrategySpec):
                                                           "sigma (0: equal sizes)")
 
     def check_experiment(self, exp: Any) -> None:
+        if exp.workload.data != "memory":
+            raise ConfigError(f"workload.data = {exp.workload.data!r}: strategy {self.name} deals each client its "
+                              "samples from the in-memory split (its partition); use data = 'memory'")
+        # The labels split into `blocks` groups: more blocks than labels leaves blocks without data. The
+        # workload's label count where its spec says it (a generated graph's communities, a source's classes).
+        labels = getattr(exp.workload, "communities", None) or getattr(exp.workload, "classes", None)
+        if self.partition == "block-cyclic" and isinstance(labels, int) and self.blocks > labels:
+            raise ConfigError(f"strategy.blocks = {self.blocks}: more blocks than the workload's {labels} labels "
+                              f"(some blocks would hold no samples); use at most {labels}")
         if self.partition == "block-cyclic" and self.blocks > 1 and exp.workload.steps < self.rounds_per_block:
             raise ConfigError(f"workload.steps = {exp.workload.steps}: a federated run's steps are rounds; "
                               f"block-cyclic data needs at least rounds_per_block = {self.rounds_per_block}")

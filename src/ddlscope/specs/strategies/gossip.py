@@ -22,11 +22,17 @@ every model a worker shares is private; the privacy spent is epsilon at
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from ddlscope.specs.base import ConfigError
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
+
+# DP-SGD noise multipliers that mean something: below 0.1 epsilon runs to the thousands (no privacy); past 100
+# the noise is a hundred times the clipped gradient (no learning).
+MIN_NOISE = 0.1
+MAX_NOISE = 100.0
 
 Topology = Literal["ring", "torus", "exponential", "complete"]
 Mode = Literal["sync", "async"]
@@ -44,11 +50,24 @@ class GossipSpec(StrategySpec):
                                                    "(ranks at distance 2^k), complete (everybody)")
     mode: Mode = Field("sync", description="sync: every step waits for each neighbour's model of the same step; "
                                            "async: mix in whatever neighbour models have arrived, never wait")
-    dp_noise_multiplier: float = Field(0.0, ge=0, description="differential privacy: Gaussian noise std over the "
-                                                              "per-sample clip norm (0: no privacy, no clipping)")
+    dp_noise_multiplier: float = Field(0.0, ge=0, le=MAX_NOISE, description="differential privacy: Gaussian noise "
+                                       "std over the per-sample clip norm (0: no privacy, no clipping; else 0.1 to 100)")
     dp_clip_norm: float = Field(1.0, gt=0, description="differential privacy: each sample's gradient is clipped to "
                                                        "this L2 norm (used when dp_noise_multiplier > 0)")
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="differential privacy: the delta epsilon is reported at")
+
+    @field_validator("dp_noise_multiplier")
+    @classmethod
+    def _meaningful_noise(cls, noise: float) -> float:
+        if 0 < noise < MIN_NOISE:
+            raise ValueError(f"must be 0 (no privacy) or at least {MIN_NOISE:g}, not {noise:g}: below it epsilon "
+                             "runs to the thousands, no privacy to speak of")
+        return noise
+
+    def check_experiment(self, exp: Any) -> None:
+        if exp.cluster.world_size < 2:
+            raise ConfigError(f"cluster.world_size = {exp.cluster.world_size}: strategy gossip averages with "
+                              "neighbours; it needs at least 2 ranks")
 
     @property
     def private(self) -> bool:

@@ -22,10 +22,11 @@ warmup + period, warmup + 2 period, ... (`averages_after`).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from ddlscope.specs.base import ConfigError
 from ddlscope.specs.strategy import StrategySpec, Traits, strategy_spec
 
 
@@ -71,6 +72,15 @@ class LocalSGDSpec(ModelAveragingSpec):
                              f"(group_period = {self.group_period}); use one or the other")
         return self
 
+    def check_experiment(self, exp: Any) -> None:
+        world = exp.cluster.world_size
+        # torch's subgroups split the ranks into equal groups: a size past the world or not dividing it
+        # failed in every rank as it built them.
+        if self.group_size and (self.group_size > world or world % self.group_size):
+            divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+            raise ConfigError(f"strategy.group_size = {self.group_size}: must divide cluster.world_size = {world} "
+                              f"(equal groups); allowed: {divisors}")
+
     def averages_after(self, step: int) -> Literal["all", "group"] | None:
         """HierarchicalModelAverager's rule when hierarchical: after warm-up, the largest period that
         divides the step (itself, not the steps since warm-up) picks the group."""
@@ -92,7 +102,7 @@ class DiLoCoSpec(LocalSGDSpec):
 
     name: Literal["diloco"] = "diloco"
     period: int = Field(20, ge=1, description="H: inner steps between outer steps")
-    outer_lr: float = Field(0.7, gt=0, description="outer learning rate on the pseudo-gradient (1 with momentum 0: "
+    outer_lr: float = Field(0.7, gt=0, le=1e6, description="outer learning rate on the pseudo-gradient (1 with momentum 0: "
                                                    "plain local SGD)")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum (0: none)")
     # With hierarchical averaging the outer step follows the averages across all ranks only.
