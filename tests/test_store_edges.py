@@ -177,6 +177,23 @@ def test_a_failed_run_on_a_full_disk_says_so_and_recovery_keeps_that_cause(small
         assert "launcher died" not in store.get_run(run_id).error
 
 
+@pytest.mark.timeout(120)
+def test_a_run_whose_checkpoint_folder_is_full_fails_in_one_line_naming_it_and_leaves_no_partial(tmp_path, small_fs):
+    from conftest import run_cli
+
+    small_fs.fill()
+    checkpoints = small_fs.path / "ck"
+    out = run_cli("run", "--steps", "4", "--checkpoint-every", "2", "-q", "--set", f'checkpoint_dir="{checkpoints}"',
+                  cwd=tmp_path, timeout_s=100)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr  # no rank's traceback on the terminal: it is in the rank's log
+    assert f"run 1 failed: no space left on device: the filesystem of {checkpoints} is full" in lines[0]
+    assert not list(small_fs.path.rglob("*.partial"))
+    with Store(tmp_path / "ddlscope.db") as store:
+        assert store.get_run(1).status == "failed"
+
+
 def test_partial_checkpoints_are_removed():
     from ddlscope.runtime.launcher import remove_partial_checkpoints
 

@@ -22,11 +22,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -416,7 +417,36 @@ def _rank_entry(environment: dict[str, str], threads: int, launcher_pid: int, en
     os.environ.update(set_by_agent)
     torch.set_num_threads(threads)
     _die_with(launcher_pid)
-    return entrypoint(*args)
+    try:
+        return entrypoint(*args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        _fail_quietly(exc)
+
+
+def _fail_quietly(exc: BaseException) -> NoReturn:
+    """End a rank whose entrypoint raised, its traceback in its log only.
+
+    An exception leaving the rank would be printed again by multiprocessing, after torch has put the
+    console back as stderr: every rank's whole traceback on the user's terminal (141 lines for a full
+    checkpoint folder). So the error file torch's `record` would write is written here (the launcher's
+    one-line message comes from it), the traceback goes to the rank's log, and the rank exits 1. An error
+    file that cannot be written (a full disk) is removed: an empty one fails the agent's parser."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    try:
+        get_error_handler().record_exception(exc)
+    except OSError:
+        if error_file:
+            Path(error_file).unlink(missing_ok=True)
+    try:
+        traceback.print_exc()  # stderr is the rank's log file here
+        sys.stderr.flush()
+    except OSError:  # the log's disk is full too
+        pass
+    raise SystemExit(1) from None
 
 
 def _die_with(launcher_pid: int) -> None:
@@ -517,7 +547,12 @@ def first_failure(exc: ChildFailedError) -> str:
         return f"rank {rank}: {lines[-1]}"
     if failure.exitcode is not None and failure.exitcode < 0:
         return f"rank {rank}: killed by {failure.signal_name()} (no Python error: out of memory or killed from outside?)"
+    lines = [line for line in lines if not line.startswith(NO_ERROR_FILE_NOTE)]
     return f"rank {rank}: exited with code {failure.exitcode}" + (f": {lines[-1]}" if lines else "")
+
+
+# What torch says of a rank that left no error file (its disk was full, say): nothing about the rank.
+NO_ERROR_FILE_NOTE = "To enable traceback see"
 
 
 def quiet_torch_logging() -> None:
