@@ -22,12 +22,15 @@ def exp():
     return load_experiment(None, {"workload.steps": 50, "checkpoint_every": 5})
 
 
+KEY = b"k" * 32
+
+
 def fake_checkpoint(root, step, exp, payload=b"x" * 100):
     folder = partial_dir(root, step)
     folder.mkdir(parents=True)
     (folder / "__0_0.distcp").write_bytes(payload)
     write_atomically(folder / "rank-0.pt", {"step": step})
-    return seal(root, step, exp)
+    return seal(root, step, exp, KEY)
 
 
 def test_only_sealed_checkpoints_count_and_the_newest_wins(tmp_path, exp):

@@ -89,7 +89,10 @@ def _attempt_store() -> Any:
 
 
 def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping_json: str = "",
-                checkpoint_root: str = "") -> dict[str, Any]:
+                checkpoint_root: str = "", launch_dir: str = "", checkpoint_key: str = "") -> dict[str, Any]:
+    """One rank of a run. `launch_dir`: this launch's own folder for heartbeats and the done marker (the
+    launcher signals no pid from an older launch's files); `checkpoint_key`: hex of the run's checkpoint
+    key (checkpoint.run_key; empty on nodes other than 0), handed over in memory, never written to disk."""
     _die_with_launcher()
     _stop_at_once_on_signals()
     exp = experiment_from_json(experiment_json)
@@ -98,7 +101,8 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.set_num_threads(exp.cluster.threads_per_rank)
     writer = RowWriter(rank_file(Path(run_dir), rank), rank)
-    heartbeat = Heartbeat(Path(run_dir), rank)
+    own_dir = Path(launch_dir or run_dir)
+    heartbeat = Heartbeat(own_dir, rank, attempt)
     try:
         if attempt:
             writer.event("restart", f"attempt {attempt} of the worker group (torch elastic restart)")
@@ -121,7 +125,8 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
         ctx = RunContext(rank, world, local_rank, node_rank, device, backend, exp, link, workers, worker_group)
         writer.event("started", f"host={os.uname().nodename} pid={os.getpid()} device={device} backend={backend}")
         checkpointer = Checkpointer(Path(checkpoint_root) if checkpoint_root else Path(run_dir) / "checkpoints",
-                                    exp, rank, device, worker_group, final=bool(exp.checkpoint_dir))
+                                    exp, rank, device, worker_group, final=bool(exp.checkpoint_dir),
+                                    key=bytes.fromhex(checkpoint_key))
         outcome = _take_part(exp, ctx, writer, Path(run_dir), checkpointer, heartbeat)
         heartbeat.beat(phase="finish")
         # The model, DDP's reducer and the strategy's communication futures died with _take_part's
@@ -132,7 +137,7 @@ def worker_main(experiment_json: str, run_dir: str, link_json: str = "", shaping
         if exp.cluster.nnodes > 1:
             _send_rows_to_rank0(Path(run_dir), rank, node_rank)
         _finish_together(world, heartbeat)
-        leave_done_marker(Path(run_dir), rank, os.getpid())  # see launcher.ExitReaper
+        leave_done_marker(own_dir, rank, os.getpid())  # see launcher.ExitReaper
         return outcome
     except BaseException as exc:
         if not writer.closed:
