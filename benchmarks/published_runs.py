@@ -9,13 +9,17 @@ sources that publish one setup, and how far apart they are (what bounds any
 model's per-source error); and published speed-ups between two runs of one
 setup, which test the mechanisms whatever the efficiency constants are.
 
-`--calibrate` is a separate, labelled mode that does fit: per software stack,
-each run in turn sets `sustained_fraction` (as `ddlscope predict
---measured-step-s` does for a user's own run) and the others are predicted
-with it; `--fit` searches the one value that predicts the independent runs
-without bias. Neither changes the catalogue.
+`--stacks` validates the named stacks (catalogue.toml [stacks]) run by run:
+per stack, each run's published figure sets the stack's one efficiency
+figure (`sustained_fraction`, as `ddlscope predict --measured-step-s` does)
+and every other run of the stack is predicted with it; the table gives, over
+every choice of that run, the mean |error|, the bias (mean signed error) and
+the worst, and the same for the figure the catalogue ships (from the one run
+it names). `--calibrate` is the older name of the same mode; `--fit` searches
+the one value that predicts the independent runs without bias. None of it
+changes the catalogue.
 
-    .venv/bin/python benchmarks/published_runs.py [--sustained X] [--calibrate] [--fit] [--ratio-batches]
+    .venv/bin/python benchmarks/published_runs.py [--sustained X] [--stacks] [--fit] [--ratio-batches]
 
 Configurations as the papers give them. What they leave open is chosen
 here, said per row, and never per row to suit the answer: where a paper
@@ -35,8 +39,10 @@ from dataclasses import dataclass, replace
 from rich.console import Console
 from rich.table import Table
 
-from ddlscope.predict import ModelSpec, ParallelSpec, fit_sustained_fraction, parse_cluster, predict
+from ddlscope.predict import (ModelSpec, ParallelSpec, fit_sustained_fraction, get_stack, parse_cluster, predict,
+                              validate)
 from ddlscope.predict.catalogue import Cluster, load_catalogue
+from ddlscope.predict.model import ConfigArrays, evaluate
 from ddlscope.specs import ConfigError
 
 
@@ -56,22 +62,22 @@ class Run:
     recompute: str = "full"
     zero: int = 0
     sequence_parallel: bool = False
-    # Megatron-LM's "local" DDP (its default until Megatron-core's --overlap-grad-reduce, 2023) all-reduces the
-    # gradients after the last micro-batch's backward (megatron/training.py, train_step), and DeepSpeed's
-    # pipeline engine (MT-NLG, BLOOM) reduces them after the pipeline flush (TrainSchedule: ReduceGrads after
-    # the last backward): nothing overlapped in either.
-    overlap_grad_reduce: bool = True
-    # Gradient accumulation fused into the weight-gradient GEMM (Megatron-LM's `fused_weight_gradient_mlp_cuda`,
-    # `--gradient-accumulation-fusion`) came with the sequence-parallel release of Korthikanti et al. 2022; the 2021
-    # code (`param.main_grad.add_(param.grad)` in its DDP hook) and DeepSpeed's engines add in a separate pass.
-    fused_grad_accumulation: bool = False
+    # The named software stack that ran it (catalogue.toml [stacks]): its switches are the run's gradient
+    # handling. Megatron-LM's "local" DDP (its default until Megatron-core's --overlap-grad-reduce, 2023)
+    # all-reduces the gradients after the last micro-batch's backward (megatron/training.py, train_step), and
+    # DeepSpeed's pipeline engine (MT-NLG, BLOOM) reduces them after the pipeline flush (TrainSchedule:
+    # ReduceGrads after the last backward): nothing overlapped in either. Gradient accumulation fused into the
+    # weight-gradient GEMM (`--gradient-accumulation-fusion`) came with the sequence-parallel release of
+    # Korthikanti et al. 2022; the 2021 code (`main_grad.add_`) and DeepSpeed's engines add in a separate pass.
+    stack: str = "ideal"
 
     def parallel(self, micro_batch: int, interleave: int = 1) -> ParallelSpec:
-        """The run's layout and stack at one of the micro-batches and interleavings it allows."""
+        """The run's layout at one of the micro-batches and interleavings it allows, with its stack's switches."""
+        switches = get_stack(self.stack).parallel_defaults()
+        switches.pop("zero")  # the run's own stage
         return ParallelSpec(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=micro_batch, interleave=interleave,
                             recompute=self.recompute, zero=self.zero, sequence_parallel=self.sequence_parallel,
-                            overlap_grad_reduce=self.overlap_grad_reduce,
-                            fused_grad_accumulation=self.fused_grad_accumulation)
+                            **switches)
 
 
 def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
@@ -82,7 +88,7 @@ def megatron_2021(params: str, heads: int, hidden: int, layers: int, tp: int, pp
     model = ModelSpec(hidden=hidden, heads=heads, layers=layers, seq=2048, vocab=51200, global_batch=batch,
                       attention="unfused", dtype="fp16")
     return Run(f"Megatron-LM {params}, {gpus} A100", "Narayanan et al. 2021, Table 1", f"a100-80gb:{gpus // 8}x8",
-               model, tp, pp, gpus // (tp * pp), "tflops", tflops, overlap_grad_reduce=False)
+               model, tp, pp, gpus // (tp * pp), "tflops", tflops, stack="megatron-lm-2021")
 
 
 MEGATRON_2021 = [
@@ -104,7 +110,7 @@ BLOOM = [
     Run("BLOOM-176B, 384 A100", "BigScience 2022", "a100-80gb:48x8",
         ModelSpec(hidden=14336, heads=112, layers=72, seq=2048, vocab=250880, global_batch=2048,
                   attention="unfused", dtype="bf16"),
-        4, 12, 8, "tflops", 150, micro_batches=(2,), interleaves=(1,), zero=1, overlap_grad_reduce=False),
+        4, 12, 8, "tflops", 150, micro_batches=(2,), interleaves=(1,), zero=1, stack="megatron-deepspeed-2022"),
 ]
 
 # REFERENCE.md's rows (the tests check them within 15%): held out of --fit.
@@ -112,25 +118,29 @@ MT_NLG = [
     Run(f"MT-NLG 530B, {g} A100", "REFERENCE.md (Smith et al. 2022)", f"a100-80gb:{g // 8}x8",
         ModelSpec(hidden=20480, heads=128, layers=105, seq=2048, vocab=51200, global_batch=1920,
                   attention="unfused", dtype="fp16"),
-        8, 35, g // 280, "tflops", tflops, micro_batches=(1,), interleaves=(1,), zero=1, overlap_grad_reduce=False)
+        8, 35, g // 280, "tflops", tflops, micro_batches=(1,), interleaves=(1,), zero=1,
+        stack="deepspeed-megatron-2021")
     for g, tflops in ((2240, 126), (2800, 121), (3360, 113))
 ]
 MPT_13B = [
     Run(f"MosaicML MPT-13B, {g} H100", "REFERENCE.md (llm-foundry)", f"h100:{g // 8}x8",
         ModelSpec(hidden=5120, heads=40, layers=40, seq=2048, vocab=50368, global_batch=2 * g * 4),
-        1, 1, g, "mfu", mfu, micro_batches=(2,), interleaves=(1,), recompute="none", zero=3)
+        1, 1, g, "mfu", mfu, micro_batches=(2,), interleaves=(1,), recompute="none", zero=3,
+        stack="llm-foundry-2023")
     for g, mfu in ((8, 0.398), (16, 0.396), (32, 0.400), (64, 0.399))
 ]
 MPT_70B = [
     Run(f"MosaicML MPT-70B, {g} H100", "REFERENCE.md (llm-foundry)", f"h100:{g // 8}x8",
         ModelSpec(hidden=8192, heads=64, layers=80, seq=2048, vocab=50368, global_batch=mb * g * 4),
-        1, 1, g, "mfu", mfu, micro_batches=(mb,), interleaves=(1,), recompute="full", zero=3)
+        1, 1, g, "mfu", mfu, micro_batches=(mb,), interleaves=(1,), recompute="full", zero=3,
+        stack="llm-foundry-2023")
     for g, mb, mfu in ((32, 2, 0.362), (64, 8, 0.426))
 ]
 MPT_1B = [
     Run("MosaicML MPT-1B, 8 H100", "REFERENCE.md (llm-foundry)", "h100:1x8",
         ModelSpec(hidden=2048, heads=16, layers=24, seq=2048, vocab=50368, global_batch=16 * 8 * 4),
-        1, 1, 8, "mfu", 0.42, micro_batches=(16,), interleaves=(1,), recompute="none", zero=3),
+        1, 1, 8, "mfu", 0.42, micro_batches=(16,), interleaves=(1,), recompute="none", zero=3,
+        stack="llm-foundry-2023"),
 ]
 HELD_OUT = MT_NLG + MPT_13B + MPT_70B
 
@@ -152,7 +162,7 @@ def korthikanti_530b(global_batch: int, recompute: str, sequence_parallel: bool)
                ModelSpec(hidden=20480, heads=128, layers=105, seq=2048, vocab=51200, global_batch=global_batch,
                          attention="unfused", dtype="fp16"),
                8, 35, 8, "mfu", math.nan, micro_batches=(1,), interleaves=(1, 3), recompute=recompute,
-               sequence_parallel=sequence_parallel, overlap_grad_reduce=False, fused_grad_accumulation=True)
+               sequence_parallel=sequence_parallel, stack="megatron-lm-2022")
 
 
 # The abstract of Korthikanti et al. 2022: the 530B GPT on 2240 A100s reaches 54.2% MFU with selective
@@ -166,15 +176,25 @@ MEGATRON_2022 = [replace(korthikanti_530b(RATIO_BATCH, "full", False), published
                  replace(korthikanti_530b(RATIO_BATCH, "selective", True), published=0.542)]
 INDEPENDENT = MEGATRON_2021 + BLOOM + MEGATRON_2022
 
-# Runs of one software stack (one code base, one year): one of them can set the stack's
-# sustained_fraction (`predict --measured-step-s`), and the others test the mechanisms that carry
-# it to other models, sizes and parallelisms.
+# Runs of one named software stack (catalogue.toml [stacks]: one code base, one year): one of them sets the
+# stack's sustained_fraction (`predict --measured-step-s`), and the others test the mechanisms that carry
+# it to other models, sizes and parallelisms. "One setup, two sources" (MT-NLG and Korthikanti et al. on the
+# 530B GPT) are two stacks. MPT-1B, 13B and 70B are one stack, llm-foundry.
 STACKS = {
-    "Megatron-LM 2021 (Narayanan et al.)": MEGATRON_2021,
-    "Megatron-LM 2022 (Korthikanti et al.)": MEGATRON_2022,
-    "MT-NLG (DeepSpeed + Megatron, 2021)": MT_NLG,
-    "MosaicML MPT-13B (llm-foundry)": MPT_13B,
-    "MosaicML MPT-70B (llm-foundry)": MPT_70B,
+    "megatron-lm-2021": MEGATRON_2021,
+    "megatron-lm-2022": MEGATRON_2022,
+    "deepspeed-megatron-2021": MT_NLG,
+    "megatron-deepspeed-2022": BLOOM,
+    "llm-foundry-2023": MPT_1B + MPT_13B + MPT_70B,
+}
+# The one run whose published figure the catalogue's figure for the stack comes from (catalogue.toml
+# figure_run names it; tests/test_stacks.py checks that the figure reproduces it).
+FIGURE_RUNS = {
+    "megatron-lm-2021": MEGATRON_2021[9],  # 1T on 3072 A100, the paper's headline run
+    "megatron-lm-2022": MEGATRON_2022[0],  # full recompute, the paper's baseline
+    "deepspeed-megatron-2021": MT_NLG[0],  # 2240 A100, MT-NLG's first row
+    "megatron-deepspeed-2022": BLOOM[0],
+    "llm-foundry-2023": MPT_13B[0],  # 13B on 8 H100, REFERENCE.md's first llm-foundry row
 }
 
 
@@ -245,30 +265,75 @@ def with_sustained(cluster: Cluster, sustained: float | None) -> Cluster:
     return cluster if sustained is None else cluster.with_sustained_fraction(sustained)
 
 
+def fast_metric(run: Run, sustained: float | None) -> float:
+    """`predicted`'s value without the ranges: every allowed micro-batch and interleaving scored in one
+    `evaluate` call, the best that fits (what fitting and leave-one-out need, many times over)."""
+    cluster = with_sustained(parse_cluster(run.cluster), sustained)
+    specs = []
+    for b in run.micro_batches:
+        for v in run.interleaves:
+            try:
+                validate(run.model, run.parallel(b, v), cluster)
+            except ConfigError:
+                continue
+            specs.append(run.parallel(b, v))
+    if not specs:
+        return math.nan
+    out = evaluate(run.model, cluster, ConfigArrays.from_specs(specs))
+    values = [float(x) for x, fits in zip(out["tflops_per_gpu" if run.metric == "tflops" else "mfu"], out["fits"])
+              if fits]
+    return max(values) if values else math.nan
+
+
 def fitted_to(run: Run) -> float:
     """The sustained_fraction at which `run`'s published figure is predicted exactly (the metric is
     FLOPs over time, so matching it matches the step time)."""
     device = parse_cluster(run.cluster).device
-    return fit_sustained_fraction(lambda f: 1.0 / predicted(run, f)[0], 1.0 / run.published, device)
+    return fit_sustained_fraction(lambda f: 1.0 / fast_metric(run, f), 1.0 / run.published, device)
 
 
-def one_run_calibration(stacks: dict[str, list[Run]]) -> tuple[Table, dict[str, list[float]]]:
-    """Per stack, each run in turn sets the constant and the others are predicted with it."""
-    t = Table("stack", "runs", "constant set by one run", "mean |error| of the others", "worst",
-              title="one run of the stack sets sustained_fraction (predict --measured-step-s)")
-    per_stack: dict[str, list[float]] = {}
+@dataclass(frozen=True)
+class StackValidation:
+    """One stack's runs, each predicted from the figure another run of it sets (every choice of that run)."""
+    name: str
+    runs: int
+    fractions: tuple[float, ...]  # the figure each run sets
+    errors: tuple[float, ...]  # every (figure's run, predicted run) pair, signed
+    catalogue_errors: tuple[float, ...]  # every other run, at the catalogue's figure (from its named run)
+
+    @staticmethod
+    def stats(errors: tuple[float, ...]) -> tuple[float, float, float]:
+        """(mean |error|, bias, worst)"""
+        if not errors:
+            return math.nan, math.nan, math.nan
+        return statistics.fmean(abs(e) for e in errors), statistics.fmean(errors), max(errors, key=abs)
+
+
+def validate_stack(name: str, runs: list[Run]) -> StackValidation:
+    fractions = [fitted_to(r) for r in runs]
+    errors = [fast_metric(r, f) / r.published - 1 for i, f in enumerate(fractions)
+              for j, r in enumerate(runs) if j != i]
+    figure, named = get_stack(name).sustained_fraction, FIGURE_RUNS[name]
+    catalogue = [fast_metric(r, figure) / r.published - 1 for r in runs if r is not named]
+    return StackValidation(name, len(runs), tuple(fractions), tuple(errors), tuple(catalogue))
+
+
+def one_run_calibration(stacks: dict[str, list[Run]]) -> tuple[Table, dict[str, StackValidation]]:
+    """Per stack, each run in turn sets the figure and the others are predicted with it."""
+    t = Table("stack", "runs", "figure set by one run", "leave-one-out mean |error|", "bias", "worst",
+              "catalogue figure (its run)", "others at it: mean |error| / bias / worst",
+              title="named stacks, validated run by run: each run predicted from another run's figure")
+    out: dict[str, StackValidation] = {}
     for name, runs in stacks.items():
-        fractions, means, worst = [], [], 0.0
-        for i, calibration_run in enumerate(runs):
-            fraction = fitted_to(calibration_run)
-            others = [predicted(r, fraction)[0] / r.published - 1 for j, r in enumerate(runs) if j != i]
-            fractions.append(fraction)
-            means.append(statistics.fmean(abs(e) for e in others))
-            worst = max(worst, *others, key=abs)
-        per_stack[name] = means
-        t.add_row(name, str(len(runs)), f"{min(fractions):.2f}-{max(fractions):.2f}",
-                  f"{statistics.fmean(means):.1%}", f"{worst:+.1%}")
-    return t, per_stack
+        row = out[name] = validate_stack(name, runs)
+        mean, bias, worst = row.stats(row.errors)
+        c_mean, c_bias, c_worst = row.stats(row.catalogue_errors)
+        stack = get_stack(name)
+        loo = (f"{mean:.1%}", f"{bias:+.1%}", f"{worst:+.1%}") if row.runs > 1 else ("-", "-", "-")
+        at_figure = f"{c_mean:.1%} / {c_bias:+.1%} / {c_worst:+.1%}" if row.runs > 1 else "- (one run)"
+        t.add_row(name, str(row.runs), f"{min(row.fractions):.3f}-{max(row.fractions):.3f}", *loo,
+                  f"{stack.sustained_fraction:.3f} ({FIGURE_RUNS[name].label})", at_figure)
+    return t, out
 
 
 def predicted(run: Run, sustained: float | None) -> tuple[float, str]:
@@ -405,17 +470,23 @@ def calibrated_mode(console: Console, args: argparse.Namespace) -> None:
         console.print(summary_table(summarise(outcomes(SOURCES, sustained)), f"[FITTED] sustained_fraction {sustained:.2f}"))
     stacks, per_stack = one_run_calibration(STACKS)
     console.print(stacks)
-    megatron = [m for name, means in per_stack.items() if name.startswith("Megatron-LM") for m in means]
-    console.print(f"[FITTED] Megatron-LM runs, the constant set by one run of the same stack and year: mean |error| "
-                  f"{statistics.fmean(megatron):.1%} (averaged over which run sets it)")
+    for name, row in per_stack.items():
+        console.print(f"  {name}: figure set by each run " + ", ".join(
+            f"{r.label} {f:.3f}" for r, f in zip(STACKS[name], row.fractions)), markup=False, highlight=False)
+        if row.runs > 1:
+            mean, bias, worst = row.stats(row.errors)
+            bar = "meets" if mean <= 0.05 and abs(bias) <= 0.03 else "does NOT meet"
+            console.print(f"  {name}: leave-one-out mean |error| {mean:.1%}, bias {bias:+.1%}, worst {worst:+.1%}: "
+                          f"{bar} the bar (mean |error| <= 5%, |bias| <= 3%)", markup=False, highlight=False)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sustained", type=float, default=None,
                         help="override sustained_fraction (NVIDIA; the catalogue's is 1)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="labelled fitting mode: per stack, one run sets sustained_fraction")
+    parser.add_argument("--stacks", "--calibrate", dest="calibrate", action="store_true",
+                        help="the named stacks run by run: per stack, each run sets its figure, the others are "
+                             "predicted (leave one out)")
     parser.add_argument("--fit", action="store_true",
                         help="with --calibrate: the one sustained_fraction without bias on the independent runs")
     parser.add_argument("--ratio-batches", action="store_true",

@@ -60,7 +60,7 @@ def valid(data: dict[str, Any]) -> PredictionInput:
      "vocab, global_batch, attention, dtype, ffn_hidden, kv_heads, gated_mlp, image_size, classes, optimizer, "
      "experts, top_k, capacity_factor, expert_imbalance"),
     ({"modle": GPT}, (), "modle = " + repr(GPT) + ": unknown field; allowed: cluster, spot, sustained_fraction, "
-     "model, parallel"),
+     "stack, model, parallel"),
     ({"model": "gpt"}, (), "model = 'gpt': must be a table ([model])"),
     # knobs of another kind of model
     ({"model": {**GPT, "image_size": 32}}, (), "--image-size (model.image_size) is for a CNN model (resnet50, vgg16, "

@@ -28,6 +28,10 @@ def advise_command(
     sustained_fraction: Annotated[Optional[float], typer.Option(
         "--sustained-fraction", help="Scale the published kernel rates by what your stack sustains (catalogue: "
                                      "1; see `ddlscope predict --measured-step-s`).")] = None,
+    stack: Annotated[Optional[str], typer.Option(
+        "--stack", help="A named software stack (catalogue.toml [stacks]; default ideal, today's kernel ceiling): "
+                        "its one efficiency figure, from one named published run, scales the kernel rates; "
+                        "--sustained-fraction replaces it with your own.")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="A CNN priced from its layer list instead of the workload: resnet50, vgg16, densenet121 "
@@ -48,11 +52,16 @@ def advise_command(
     from ddlscope.advise import advise
     from ddlscope.runtime.config import load_experiment, parse_override
 
+    from ddlscope.predict import get_stack
+
+    the_stack = get_stack(stack, "--stack")
     if not cluster:
         raise ConfigError("--cluster is required, e.g. --cluster a100-80gb:4x8")
     the_cluster = cluster_from_text(cluster, calibration, db)  # fail fast, before building anything
     if sustained_fraction is not None:
         the_cluster = the_cluster.with_sustained_fraction(sustained_fraction)
+    elif the_stack.has_figure:
+        the_cluster = the_cluster.with_sustained_fraction(the_stack.sustained_fraction)
     overrides: dict[str, Any] = {}
     for key, value in (("workload.name", workload), ("workload.steps", steps), ("workload.batch_size", batch_size)):
         if value is not None:
@@ -75,8 +84,14 @@ def advise_command(
                                        classes if classes is not None else 1000)
     result = advise(exp, the_cluster, stragglers=stragglers, db=db, profile=profile)
     if as_json:
-        print(json.dumps(result.to_dict(), default=str))
+        out = result.to_dict()
+        out["stack"] = the_stack.to_dict("your measurement" if sustained_fraction is not None else None,
+                                         the_cluster.device.efficiency.sustained_fraction)
+        print(json.dumps(out, default=str))
         return
+    if the_stack.has_figure and sustained_fraction is None:
+        print(f"stack {the_stack.name}: sustained_fraction {the_stack.sustained_fraction:.3f} from one published run: "
+              f"{the_stack.figure_run} ({the_stack.figure_source})")
     _print(result)
 
 

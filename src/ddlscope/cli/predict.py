@@ -111,6 +111,13 @@ FusedGradAccumulationOpt = Annotated[Optional[bool], typer.Option(
          "default: a separate pass per micro-batch.")]
 PredictDbOpt = Annotated[Path, db_option("The store (for --against, and calibrations).")]
 PlanDbOpt = Annotated[Path, db_option("The store (for calibrations).")]
+StackOpt = Annotated[Optional[str], typer.Option(
+    "--stack", help="A named software stack (catalogue.toml [stacks]): ideal (default: today's kernel ceiling), "
+                    "megatron-lm-2021, megatron-lm-2022, deepspeed-megatron-2021, megatron-deepspeed-2022, "
+                    "llm-foundry-2023, torchtitan-2024. It sets the switches you leave unset (gradient overlap, "
+                    "fused accumulation, ZeRO stage, attention kernel), refuses layouts its code cannot run, and "
+                    "scales the kernel rates by its one figure, from one named published run; "
+                    "--sustained-fraction or --measured-step-s replaces that figure with yours.")]
 SustainedOpt = Annotated[Optional[float], typer.Option(
     "--sustained-fraction", help="Scale the published kernel rates by what your stack sustains (catalogue: 1, "
                                  "nothing derated; fit it with predict --measured-step-s).")]
@@ -155,6 +162,7 @@ def predict_command(
     strategy: Annotated[Optional[str], typer.Option(
         "--strategy", help="CNN only: ddp (default), fsdp (= --zero 3), ps-sync or ps-async.")] = None,
     spot: SpotOpt = None,
+    stack: StackOpt = None,
     sustained_fraction: SustainedOpt = None,
     measured_step_s: Annotated[Optional[float], typer.Option(
         "--measured-step-s", help="A step time measured for this configuration on your stack: fit "
@@ -172,7 +180,7 @@ def predict_command(
         return
     from ddlscope.predict import ParallelSpec, predict
 
-    spec = _input(config, cluster, spot, sustained_fraction, model=dict(
+    spec = _input(config, cluster, spot, sustained_fraction, stack=stack, model=dict(
         name=model, hidden=hidden, heads=heads, layers=layers, seq=seq, vocab=vocab, global_batch=global_batch,
         attention=attention, dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
         image_size=image_size, classes=classes, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
@@ -182,12 +190,16 @@ def predict_command(
         overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation, strategy=strategy))
     if measured_step_s is not None and spec.sustained_fraction is not None:
         raise ConfigError("--measured-step-s fits sustained_fraction: give one or the other, not both")
+    the_stack = _stack(spec, stack)
     the_cluster, use_spot = _cluster(spec, calibration, db), spec.spot
     if spec.model.is_cnn:
+        _refuse_stack_for_cnn(the_stack)
         _predict_cnn(spec, the_cluster, measured_step_s, as_json)
         return
     step_model = _step_model(spec.model)
     parallel = ParallelSpec(**spec.parallel.layout(the_cluster.n_gpus))
+    own_figure = spec.sustained_fraction is not None or measured_step_s is not None
+    step_model, parallel, the_cluster = _with_stack(the_stack, spec, step_model, parallel, the_cluster, own_figure)
     if measured_step_s is not None:
         from ddlscope.predict import fitted_prediction
 
@@ -205,12 +217,14 @@ def predict_command(
             out["preset"] = {"name": spec.model.preset, "source": _preset_source(spec.model.preset)}
         out["sustained_fraction"] = fitted["sustained_fraction"] if fitted else \
             the_cluster.device.efficiency.sustained_fraction
+        out["stack"] = _stack_json(the_stack, own_figure, out["sustained_fraction"])
         if fitted:
             out["fitted_to_step_s"] = measured_step_s
         print(json.dumps(out))
         return
     if spec.model.preset:
         console.print(f"{spec.model.preset}: {_preset_source(spec.model.preset)}", markup=False, highlight=False)
+    _print_stack(the_stack, own_figure)
     _print_prediction(result, parallel.label(), use_spot)
     if fitted:
         console.print(f"sustained_fraction {fitted['sustained_fraction']:.4f} reproduces the measured "
@@ -245,6 +259,7 @@ def plan_command(
     top: Annotated[int, typer.Option("--top", help="How many configurations to show.")] = 5,
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
+    stack: StackOpt = None,
     sustained_fraction: SustainedOpt = None,
     overlap_grad_reduce: OverlapGradReduceOpt = None,
     fused_grad_accumulation: FusedGradAccumulationOpt = None,
@@ -268,30 +283,45 @@ def plan_command(
     search = read_input(PlanSearch, {"by": by, "top": top, "max_micro_batch": max_micro_batch},
                         flags=("by", "top", "max_micro_batch"))
     # the layout is searched over; the stack's gradient handling ([parallel] or flags) holds for every layout
-    spec = _input(config, cluster, spot, sustained_fraction, model=dict(
+    spec = _input(config, cluster, spot, sustained_fraction, stack=stack, model=dict(
         name=model, hidden=hidden, heads=heads, layers=layers, seq=seq, vocab=vocab, global_batch=global_batch,
         attention=attention, dtype=dtype, ffn_hidden=ffn_hidden, kv_heads=kv_heads, gated_mlp=gated_mlp,
         image_size=image_size, classes=classes, experts=experts, top_k=top_k, capacity_factor=capacity_factor,
         expert_imbalance=expert_imbalance), parallel=dict(
         overlap_grad_reduce=overlap_grad_reduce, fused_grad_accumulation=fused_grad_accumulation))
+    the_stack = _stack(spec, stack)
     the_cluster = _cluster(spec, calibration, db)
     if burst:
         _plan_burst(spec.model, the_cluster, background_efficiency, max_slowdown, as_json)
         return
     options = dict(top=search.top, rank_by=search.by, spot=spec.spot, max_micro_batch=search.max_micro_batch,
                    **spec.parallel.stack())
+    own_figure = spec.sustained_fraction is not None
     if spec.model.is_cnn:
         from ddlscope.predict.cnn_predict import plan_cnn
 
+        _refuse_stack_for_cnn(the_stack)
         result = plan_cnn(_cnn(spec.model), the_cluster, **options)
     else:
-        result = plan(_step_model(spec.model), the_cluster, **options)
+        from ddlscope.predict import ParallelSpec, with_stack
+
+        # the stack's switches where the input leaves them unset; its layout rules go to plan's search
+        given = set(spec.parallel.stack()) | {"zero"} | (spec.model.model_fields_set & {"attention"})
+        step_model, switches, the_cluster = with_stack(
+            the_stack, _step_model(spec.model), ParallelSpec(**spec.parallel.stack()), the_cluster, given,
+            figure=not own_figure)
+        options.update(overlap_grad_reduce=switches.overlap_grad_reduce,
+                       fused_grad_accumulation=switches.fused_grad_accumulation)
+        result = plan(step_model, the_cluster, stack=the_stack, **options)
     if as_json:
-        print(json.dumps({
+        out = {
             "cluster": result.cluster, "by": result.rank_by, "evaluated": result.evaluated,
             "feasible": result.feasible, "search_s": result.search_s, "configs_per_s": result.configs_per_s,
-            "top": [{"rank": r.rank, "why": r.why, **r.prediction.to_dict()} for r in result.rows]}))
+            "stack": _stack_json(the_stack, own_figure, the_cluster.device.efficiency.sustained_fraction),
+            "top": [{"rank": r.rank, "why": r.why, **r.prediction.to_dict()} for r in result.rows]}
+        print(json.dumps(out))
         return
+    _print_stack(the_stack, own_figure)
     _print_plan(result)
 
 
@@ -327,10 +357,10 @@ def _plan_burst(model: ModelInput, cluster: Any, background_efficiency: float, m
 
 # ---------------------------------------------------------------------------- input
 def _input(config: Optional[Path], cluster: Optional[str], spot: Optional[bool], sustained_fraction: Optional[float],
-           model: dict[str, Any], parallel: dict[str, Any]) -> PredictionInput:
+           model: dict[str, Any], parallel: dict[str, Any], stack: Optional[str] = None) -> PredictionInput:
     """The config file's tables with the flags given laid over them, validated once (specs/prediction.py)."""
-    flags = {"cluster": cluster, "spot": spot, "sustained_fraction": sustained_fraction, "model": model,
-             "parallel": parallel}
+    flags = {"cluster": cluster, "spot": spot, "sustained_fraction": sustained_fraction, "stack": stack,
+             "model": model, "parallel": parallel}
     from ddlscope.predict.presets import expand_preset, model_presets
 
     data, given = _with_flags(_read_config(config), flags)
@@ -374,6 +404,45 @@ def _read_config(path: Optional[Path]) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {' '.join(str(exc).split())}") from None
+
+
+def _stack(spec: PredictionInput, flag: Optional[str]) -> Any:
+    """The named stack (`ideal` when none): an unknown name is refused, naming the flag or the file's key."""
+    from ddlscope.predict import get_stack
+
+    return get_stack(spec.stack, "--stack" if flag is not None else "stack")
+
+
+def _refuse_stack_for_cnn(stack: Any) -> None:
+    if stack.name != "ideal":
+        raise ConfigError(f"--stack = {stack.name!r}: the named stacks are transformer training stacks; a CNN takes "
+                          "--sustained-fraction or --measured-step-s")
+
+
+def _with_stack(stack: Any, spec: PredictionInput, model: Any, parallel: Any, cluster: Any, own_figure: bool) -> Any:
+    """(model, parallel, cluster) under the stack: its switches where the input left them unset, its figure
+    unless the user gave their own."""
+    from ddlscope.predict import with_stack
+
+    given = spec.parallel.model_fields_set | spec.model.model_fields_set
+    return with_stack(stack, model, parallel, cluster, given, figure=not own_figure)
+
+
+def _stack_json(stack: Any, own_figure: bool, sustained_fraction: float) -> dict[str, Any]:
+    return stack.to_dict("your measurement" if own_figure else None, sustained_fraction)
+
+
+def _print_stack(stack: Any, own_figure: bool) -> None:
+    if stack.name == "ideal" and not own_figure:
+        return
+    if own_figure:
+        figure = "your own sustained_fraction replaces its figure"
+    elif stack.has_figure:
+        figure = (f"sustained_fraction {stack.sustained_fraction:.3f} from one published run: {stack.figure_run} "
+                  f"({stack.figure_source})")
+    else:
+        figure = "no figure (no published run of it is validated): kernels at their published rates"
+    console.print(f"stack {stack.name}: {figure}", markup=False, highlight=False)
 
 
 def _cluster(spec: PredictionInput, calibration: Optional[Path], db: Path) -> Any:

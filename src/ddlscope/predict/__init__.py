@@ -8,9 +8,11 @@
 See docs/predict.md for the equations and their sources.
 """
 
-from ddlscope.predict.catalogue import Cluster, ClusterStringError, Device, Link, load_catalogue, parse_cluster
-from ddlscope.predict.predictor import fit_sustained_fraction, fitted_prediction, predict, validate
+from ddlscope.predict.catalogue import (Cluster, ClusterStringError, Device, Link, Stack, get_stack, load_catalogue,
+                                        parse_cluster, stack_names)
+from ddlscope.predict.predictor import fit_sustained_fraction, fitted_prediction, predict, validate, with_stack
 from ddlscope.predict.specs import ModelSpec, ParallelSpec, Prediction
 
-__all__ = ["Cluster", "ClusterStringError", "Device", "Link", "ModelSpec", "ParallelSpec", "Prediction",
-           "fit_sustained_fraction", "fitted_prediction", "load_catalogue", "parse_cluster", "predict", "validate"]
+__all__ = ["Cluster", "ClusterStringError", "Device", "Link", "ModelSpec", "ParallelSpec", "Prediction", "Stack",
+           "fit_sustained_fraction", "fitted_prediction", "get_stack", "load_catalogue", "parse_cluster", "predict",
+           "stack_names", "validate", "with_stack"]

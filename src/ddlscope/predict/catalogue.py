@@ -163,12 +163,119 @@ def check_sustained_fraction(value: float, device: Device) -> None:
                           "times it may not pass the peak)")
 
 
+PIPELINE_ENGINES = ("none", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A named software stack (catalogue.toml [stacks]): what it does, as the predictor's switches, and at most
+    one efficiency figure, `sustained_fraction`, taken from one named published run of that stack.
+
+    `ideal` (no switches, no figure) is the default: every kernel at its published isolated rate. The
+    switches fill what the user's input leaves unset (`defaults`) and bound what the stack can run
+    (`refusal`, `allowed`): a stack without tensor parallelism refuses tp > 1, plan searches only its layouts.
+    """
+
+    name: str
+    description: str
+    sustained_fraction: float | None = None  # None: nothing derated (the kernel ceiling)
+    figure_run: str = ""  # the one published run the figure comes from
+    figure_source: str = ""  # where that run is published
+    figure_device: str = ""  # the catalogue device that run used
+    overlap_grad_reduce: bool | None = None
+    fused_grad_accumulation: bool | None = None
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # the first is the stack's default
+    attention: str | None = None
+    tensor_parallel: bool = True
+    sequence_parallel: bool = True
+    context_parallel: bool = True
+    selective_recompute: bool = True
+    pipeline: str = "interleaved"  # none | 1f1b (no interleaving) | interleaved
+
+    @property
+    def has_figure(self) -> bool:
+        return self.sustained_fraction is not None
+
+    def parallel_defaults(self) -> dict[str, Any]:
+        """ParallelSpec fields the stack sets where the input leaves them unset."""
+        out: dict[str, Any] = {"zero": self.zero_stages[0]}
+        for name in ("overlap_grad_reduce", "fused_grad_accumulation"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    def refusal(self, tp: int, pp: int, cp: int, zero: int, recompute: str, sequence_parallel: bool,
+                interleave: int) -> str | None:
+        """Why this stack cannot run the layout (one line), None when it can."""
+        checks = [
+            (tp > 1 and not self.tensor_parallel, f"tp = {tp}", "no tensor parallelism"),
+            (cp > 1 and not self.context_parallel, f"cp = {cp}", "no context parallelism"),
+            (pp > 1 and self.pipeline == "none", f"pp = {pp}", "no pipeline engine"),
+            (interleave > 1 and self.pipeline != "interleaved", f"interleave = {interleave}",
+             "a pipeline engine without interleaving"),
+            (zero not in self.zero_stages, f"zero = {zero}",
+             f"ZeRO stages {', '.join(map(str, self.zero_stages))} only"),
+            (recompute == "selective" and not self.selective_recompute, "recompute = 'selective'",
+             "no selective recomputation"),
+            (sequence_parallel and not self.sequence_parallel, "sequence_parallel = true", "no sequence parallelism"),
+        ]
+        for refused, what, why in checks:
+            if refused:
+                return f"{what}: the {self.name} stack has {why}"
+        return None
+
+    def allowed(self, tp, pp, cp, zero, recompute_code, sequence_parallel, interleave):
+        """`refusal`'s rule over arrays (plan's search): True where the stack can run the layout."""
+        import numpy as np
+
+        ok = np.isin(zero, self.zero_stages)
+        ok &= (tp == 1) | self.tensor_parallel
+        ok &= (cp == 1) | self.context_parallel
+        ok &= (pp == 1) | (self.pipeline != "none")
+        ok &= (interleave == 1) | (self.pipeline == "interleaved")
+        ok &= (recompute_code != 1) | self.selective_recompute  # 1: selective (specs.RECOMPUTE_CODES)
+        ok &= ~np.asarray(sequence_parallel, dtype=bool) | self.sequence_parallel
+        return ok
+
+    def to_dict(self, figure_from: str | None = None, sustained_fraction: float | None = None) -> dict[str, Any]:
+        """The stack as `--json` names it; `figure_from` says where the figure in use came from."""
+        if figure_from is None:
+            figure_from = "published run" if self.has_figure else "none"
+        out: dict[str, Any] = {"name": self.name, "description": self.description, "figure_from": figure_from,
+                               "sustained_fraction": sustained_fraction if sustained_fraction is not None
+                               else self.sustained_fraction}
+        if self.has_figure:
+            out["published_figure"] = {"sustained_fraction": self.sustained_fraction, "run": self.figure_run,
+                                       "source": self.figure_source, "device": self.figure_device}
+        return out
+
+
+DEFAULT_STACK = "ideal"
+
+
 @dataclass(frozen=True)
 class Catalogue:
     devices: dict[str, Device]
     links: dict[str, Link]
     clusters: dict[str, dict[str, Any]]  # raw cluster tables; `cluster()` resolves them
     published_share_low: float | None = None  # [validation]; see Cluster
+    stacks: dict[str, Stack] | None = None
+
+    def stack(self, name: str | None, flag: str = "stack") -> Stack:
+        """The named stack (None: `ideal`); an unknown name raises ConfigError naming `flag` and the known ones."""
+        stacks = self.stacks or {}
+        key = DEFAULT_STACK if name is None else name
+        if key not in stacks:
+            raise ConfigError(f"{flag} = {name!r}: unknown stack; known: {', '.join(stacks)}")
+        return stacks[key]
+
+
+def stack_names() -> list[str]:
+    return list(load_catalogue().stacks or {})
+
+
+def get_stack(name: str | None, flag: str = "stack") -> Stack:
+    return load_catalogue().stack(name, flag)
 
 
 @cache
@@ -191,7 +298,39 @@ def catalogue_from_dict(raw: dict[str, Any]) -> Catalogue:
                     raise CatalogueError(f"cluster {key}: unknown {side} link {shape.get(side)!r}")
             if "host_link" in shape and shape["host_link"] not in links:
                 raise CatalogueError(f"cluster {key}: unknown host link {shape['host_link']!r}")
-    return Catalogue(devices, links, clusters, _published_share_low(raw.get("validation", {})))
+    stacks = {key: _stack(key, d, devices) for key, d in raw.get("stacks", {}).items()}
+    return Catalogue(devices, links, clusters, _published_share_low(raw.get("validation", {})), stacks)
+
+
+_STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "attention", "tensor_parallel",
+                   "sequence_parallel", "context_parallel", "selective_recompute", "pipeline")
+
+
+def _stack(key: str, d: dict[str, Any], devices: dict[str, Device]) -> Stack:
+    unknown = set(d) - {"description", "sustained_fraction", "figure_run", "figure_source", "figure_device",
+                        "zero_stages", *_STACK_SWITCHES}
+    if unknown:
+        raise CatalogueError(f"stacks.{key}: unknown keys {sorted(unknown)}")
+    figure = d.get("sustained_fraction")
+    if figure is not None:
+        # one figure, from one named run on one catalogued device
+        if not all(d.get(k) for k in ("figure_run", "figure_source", "figure_device")):
+            raise CatalogueError(f"stacks.{key}: a sustained_fraction needs figure_run, figure_source, figure_device")
+        if d["figure_device"] not in devices:
+            raise CatalogueError(f"stacks.{key}: unknown figure_device {d['figure_device']!r}")
+        check_sustained_fraction(float(figure), devices[d["figure_device"]])
+    if d.get("pipeline", "interleaved") not in PIPELINE_ENGINES:
+        raise CatalogueError(f"stacks.{key}: pipeline = {d['pipeline']!r}: allowed: {', '.join(PIPELINE_ENGINES)}")
+    if d.get("attention") not in (None, "flash", "unfused"):
+        raise CatalogueError(f"stacks.{key}: attention = {d['attention']!r}: allowed: flash, unfused")
+    stages = tuple(int(z) for z in d.get("zero_stages", (0, 1, 2, 3)))
+    if not stages or not set(stages) <= {0, 1, 2, 3}:
+        raise CatalogueError(f"stacks.{key}: zero_stages = {list(stages)}: a non-empty list of 0-3")
+    return Stack(name=key, description=d["description"],
+                 sustained_fraction=None if figure is None else float(figure),
+                 figure_run=d.get("figure_run", ""), figure_source=d.get("figure_source", ""),
+                 figure_device=d.get("figure_device", ""), zero_stages=stages,
+                 **{k: d[k] for k in _STACK_SWITCHES if k in d})
 
 
 def _published_share_low(validation: dict[str, Any]) -> float | None:

@@ -11,12 +11,12 @@ configuration.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 
-from ddlscope.predict.catalogue import Cluster, make_cluster
+from ddlscope.predict.catalogue import Cluster, Stack, make_cluster
 from ddlscope.predict.model import BREAKDOWN_KEYS, ConfigArrays, evaluate, valid_mask
 from ddlscope.predict.predictor import prediction_from_arrays, validate_model, with_ranges
 from ddlscope.predict.specs import RECOMPUTE_CODES, ModelSpec, Prediction
@@ -114,13 +114,15 @@ def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigAr
 
 def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "time", spot: bool = False,
          max_micro_batch: int = MAX_MICRO_BATCH, overlap_grad_reduce: bool = True,
-         fused_grad_accumulation: bool = False) -> PlanResult:
+         fused_grad_accumulation: bool = False, stack: Stack | None = None) -> PlanResult:
     """The `top` fastest (or cheapest per step) configurations that fit, each with why it beats the next.
 
     Ranking by cost also tries every smaller whole number of nodes that divides
     the cluster: fewer GPUs can cost less per step even when each step is slower.
     `overlap_grad_reduce` and `fused_grad_accumulation` describe the software stack (ParallelSpec):
-    they hold for every configuration searched, not searched over.
+    they hold for every configuration searched, not searched over. `stack` (catalogue.toml [stacks]) keeps
+    only the layouts that stack can run (its ZeRO stages, pipeline engine, TP / SP / CP, selective
+    recomputation); its figure and switches are the caller's to apply (`predictor.with_stack`).
     """
     if rank_by not in ("time", "cost"):
         raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
@@ -134,8 +136,14 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     scored: list[tuple[Cluster, ConfigArrays, dict[str, np.ndarray]]] = []
     evaluated = 0
     for nodes in node_counts:
-        sub = cluster if nodes == cluster.nodes else make_cluster(cluster.name, nodes, cluster.gpus_per_node)
+        # a smaller cluster of the same nodes keeps the device as given (a stack's or the user's figure)
+        sub = cluster if nodes == cluster.nodes else replace(
+            make_cluster(cluster.name, nodes, cluster.gpus_per_node), device=cluster.device,
+            published_share_low=cluster.published_share_low)
         configs = candidate_configs(model, sub, max_micro_batch)
+        if stack is not None:
+            configs = configs.take(stack.allowed(configs.tp, configs.pp, configs.cp, configs.zero, configs.recompute,
+                                                 configs.sequence_parallel, configs.interleave))
         configs.overlap_grad_reduce, configs.fused_grad_accumulation = overlap_grad_reduce, fused_grad_accumulation
         if len(configs):
             scored.append((sub, configs, evaluate(model, sub, configs)))

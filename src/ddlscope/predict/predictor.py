@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import Callable
+from dataclasses import asdict, replace
+from typing import Callable, Collection
 
-from ddlscope.predict.catalogue import Cluster, Device
+from ddlscope.predict.catalogue import Cluster, Device, Stack
 from ddlscope.predict.model import ConfigArrays, evaluate
 from ddlscope.predict.specs import RECOMPUTE_CODES, SCHEDULE_CODES, ModelSpec, ParallelSpec, Prediction
 from ddlscope.specs import ConfigError
@@ -97,6 +97,26 @@ def validate(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster) -> None
             raise ConfigError(f"interleave = {v}: the {m} micro-batches per step must be a multiple of pp = {p}")
         if parallel.schedule != "1f1b":
             raise ConfigError(f"interleave = {v}: only with schedule = '1f1b'")
+
+
+def with_stack(stack: Stack, model: ModelSpec, parallel: ParallelSpec, cluster: Cluster,
+               given: Collection[str] = (), figure: bool = True) -> tuple[ModelSpec, ParallelSpec, Cluster]:
+    """The specs under a named software stack (catalogue.toml [stacks]).
+
+    The stack's switches (gradient reduction overlap, fused accumulation, ZeRO stage, attention kernel)
+    fill the fields not in `given` (ParallelSpec / ModelSpec field names the user set); a layout the stack
+    cannot run raises ConfigError; its one efficiency figure sets the cluster's `sustained_fraction`
+    unless `figure` is False (the user's own measurement replaces it)."""
+    parallel = replace(parallel, **{k: v for k, v in stack.parallel_defaults().items() if k not in given})
+    if stack.attention is not None and "attention" not in given:
+        model = replace(model, attention=stack.attention)
+    why = stack.refusal(parallel.tp, parallel.pp, parallel.cp, parallel.zero, parallel.recompute,
+                        parallel.sequence_parallel, parallel.interleave)
+    if why:
+        raise ConfigError(why)
+    if figure and stack.has_figure:
+        cluster = cluster.with_sustained_fraction(stack.sustained_fraction)
+    return model, parallel, cluster
 
 
 def predict(model: ModelSpec, parallel: ParallelSpec, cluster: Cluster, spot: bool = False) -> Prediction:

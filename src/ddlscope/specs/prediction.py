@@ -217,6 +217,8 @@ class PredictionInput(_Input):
     spot: bool = False
     # NaN passes here: the catalogue's refusal names the device's bound (predict.catalogue)
     sustained_fraction: float | None = Field(None, allow_inf_nan=True)
+    # a named software stack (predict/catalogue.toml [stacks]); None: `ideal`. The catalogue checks the name
+    stack: str | None = None
     model: ModelInput = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]
     parallel: ParallelInput = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]
 
