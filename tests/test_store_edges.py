@@ -194,6 +194,40 @@ def test_a_run_whose_checkpoint_folder_is_full_fails_in_one_line_naming_it_and_l
         assert store.get_run(1).status == "failed"
 
 
+class _LikeCheckpointException(BaseException):
+    """torch.distributed.checkpoint's CheckpointException is a BaseException: torch's own wrappers let it by."""
+
+
+def _raise_like_dcp() -> None:
+    raise _LikeCheckpointException("rank 0: [Errno 28] No space left on device")
+
+
+def _rank_with_stderr_in(log: Path, error_file: Path) -> None:
+    from ddlscope.runtime.launcher import _rank_entry
+
+    import sys
+
+    # torch puts the console back as stderr before multiprocessing prints what escaped: here both go to `log`
+    sys.stderr = open(log, "w", buffering=1)
+    _rank_entry({**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}, 1, os.getppid(), _raise_like_dcp)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_raises_leaves_its_error_file_and_prints_nothing_past_its_log(tmp_path):
+    import json
+    import multiprocessing
+
+    log, error_file = tmp_path / "stderr.log", tmp_path / "error.json"
+    rank = multiprocessing.get_context("fork").Process(target=_rank_with_stderr_in, args=(log, error_file))
+    rank.start()
+    rank.join(30)
+    assert rank.exitcode == 1
+    printed = log.read_text()
+    assert printed.count("Traceback") == 1 and "Process " not in printed, printed  # not a second time by multiprocessing
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message == "_LikeCheckpointException: rank 0: [Errno 28] No space left on device"
+
+
 def test_partial_checkpoints_are_removed():
     from ddlscope.runtime.launcher import remove_partial_checkpoints
 
@@ -281,7 +315,7 @@ def test_report_onto_a_character_device_leaves_the_device(tmp_path, capsys):
     except PermissionError:
         pytest.skip("making a device node needs root")
     db = tmp_path / "s.db"
-    _store_with_run(db)
+    Store(db).close()  # no run 1: the refusal must come before the runs are looked up
     assert main(["report", "1", "-o", str(device), "--db", str(db)]) == 2
     assert "is a character device, not a regular file" in _one_error_line(capsys)
     assert stat.S_ISCHR(device.stat().st_mode)
