@@ -49,12 +49,12 @@ def advise_command(
 ) -> None:
     """Rank the registered strategies (ddp, fsdp, the parameter servers, local SGD and its relatives, ...) for an
     experiment on a GPU cluster, and explain."""
+    from ddlscope.predict import get_stack
+
+    the_stack = get_stack(stack, "--stack")  # before the imports that load torch: bad input refused at once
     from ddlscope.advise import advise
     from ddlscope.runtime.config import load_experiment, parse_override
 
-    from ddlscope.predict import get_stack
-
-    the_stack = get_stack(stack, "--stack")
     if not cluster:
         raise ConfigError("--cluster is required, e.g. --cluster a100-80gb:4x8")
     the_cluster = cluster_from_text(cluster, calibration, db)  # fail fast, before building anything

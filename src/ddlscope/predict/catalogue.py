@@ -163,7 +163,7 @@ def check_sustained_fraction(value: float, device: Device) -> None:
                           "times it may not pass the peak)")
 
 
-PIPELINE_ENGINES = ("none", "1f1b", "interleaved")
+PIPELINE_ENGINES = ("none", "1f1b", "interleaved", "any")
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,8 @@ class Stack:
     sequence_parallel: bool = True
     context_parallel: bool = True
     selective_recompute: bool = True
-    pipeline: str = "interleaved"  # none | 1f1b (no interleaving) | interleaved
+    # none | 1f1b (PipeDream-flush, no interleaving) | interleaved (1F1B and interleaved 1F1B) | any (GPipe too)
+    pipeline: str = "interleaved"
 
     @property
     def has_figure(self) -> bool:
@@ -205,14 +206,16 @@ class Stack:
         return out
 
     def refusal(self, tp: int, pp: int, cp: int, zero: int, recompute: str, sequence_parallel: bool,
-                interleave: int) -> str | None:
+                interleave: int, schedule: str = "1f1b") -> str | None:
         """Why this stack cannot run the layout (one line), None when it can."""
         checks = [
             (tp > 1 and not self.tensor_parallel, f"tp = {tp}", "no tensor parallelism"),
             (cp > 1 and not self.context_parallel, f"cp = {cp}", "no context parallelism"),
             (pp > 1 and self.pipeline == "none", f"pp = {pp}", "no pipeline engine"),
-            (interleave > 1 and self.pipeline != "interleaved", f"interleave = {interleave}",
+            (interleave > 1 and self.pipeline not in ("interleaved", "any"), f"interleave = {interleave}",
              "a pipeline engine without interleaving"),
+            (pp > 1 and schedule == "gpipe" and self.pipeline != "any", "schedule = 'gpipe'",
+             "a 1F1B pipeline engine (no GPipe schedule)"),
             (zero not in self.zero_stages, f"zero = {zero}",
              f"ZeRO stages {', '.join(map(str, self.zero_stages))} only"),
             (recompute == "selective" and not self.selective_recompute, "recompute = 'selective'",
@@ -224,7 +227,7 @@ class Stack:
                 return f"{what}: the {self.name} stack has {why}"
         return None
 
-    def allowed(self, tp, pp, cp, zero, recompute_code, sequence_parallel, interleave):
+    def allowed(self, tp, pp, cp, zero, recompute_code, sequence_parallel, interleave, schedule_code=0):
         """`refusal`'s rule over arrays (plan's search): True where the stack can run the layout."""
         import numpy as np
 
@@ -232,7 +235,8 @@ class Stack:
         ok &= (tp == 1) | self.tensor_parallel
         ok &= (cp == 1) | self.context_parallel
         ok &= (pp == 1) | (self.pipeline != "none")
-        ok &= (interleave == 1) | (self.pipeline == "interleaved")
+        ok &= (interleave == 1) | (self.pipeline in ("interleaved", "any"))
+        ok &= (pp == 1) | (schedule_code == 0) | (self.pipeline == "any")  # 0: 1F1B (specs.SCHEDULE_CODES)
         ok &= (recompute_code != 1) | self.selective_recompute  # 1: selective (specs.RECOMPUTE_CODES)
         ok &= ~np.asarray(sequence_parallel, dtype=bool) | self.sequence_parallel
         return ok

@@ -143,7 +143,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
         configs = candidate_configs(model, sub, max_micro_batch)
         if stack is not None:
             configs = configs.take(stack.allowed(configs.tp, configs.pp, configs.cp, configs.zero, configs.recompute,
-                                                 configs.sequence_parallel, configs.interleave))
+                                                 configs.sequence_parallel, configs.interleave, configs.schedule))
         configs.overlap_grad_reduce, configs.fused_grad_accumulation = overlap_grad_reduce, fused_grad_accumulation
         if len(configs):
             scored.append((sub, configs, evaluate(model, sub, configs)))

@@ -111,7 +111,7 @@ def with_stack(stack: Stack, model: ModelSpec, parallel: ParallelSpec, cluster: 
     if stack.attention is not None and "attention" not in given:
         model = replace(model, attention=stack.attention)
     why = stack.refusal(parallel.tp, parallel.pp, parallel.cp, parallel.zero, parallel.recompute,
-                        parallel.sequence_parallel, parallel.interleave)
+                        parallel.sequence_parallel, parallel.interleave, parallel.schedule)
     if why:
         raise ConfigError(why)
     if figure and stack.has_figure:
