@@ -270,6 +270,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "predict-bad-zero": (["predict", "--cluster", "h100:1x8", *MODEL, "--zero", "4"], "--zero"),
     "predict-sustained-nan": (["predict", "--cluster", "h100:1x8", *MODEL, "--sustained-fraction", "nan"],
                               "sustained_fraction"),
+    "predict-unknown-stack": (["predict", "--cluster", "h100:1x8", *MODEL, "--stack", "nosuch"], "--stack = 'nosuch'"),
     "predict-cp-unfused": (["predict", "--cluster", "h100:1x8", *MODEL, "--cp", "2", "--attention", "unfused"],
                            "cp = 2"),
     "predict-ep-dense": (["predict", "--cluster", "h100:1x8", *MODEL, "--ep", "2"], "ep = 2"),
@@ -335,6 +336,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "run-name-not-utf8": (["run", "--name", "\udcff"], "--name = '\\xff'"),
     "report-title-not-utf8": (["report", "1", "--title", "\udcff", "--db", "s.db"], "--title = '\\xff'"),
     "name-too-long": (["run", "--name", "x" * 100_000], "name"),
+    "launch-name-too-long": (["launch", "script.py", "--name", "x" * 300], "--name"),
+    "sweep-name-too-long": (["sweep", "sweep-long-name.toml"], "name: 300 characters"),
     # ---- issue 40: config files that are not regular files
     "run-config-fifo": (["run", "fifo.toml"], "fifo.toml is a FIFO"),
     "run-config-device": (["run", "/dev/zero"], "/dev/zero is a device"),
@@ -460,6 +463,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "sweep-huge.toml").write_text(
         sweep.replace("steps = 2\n", "") + "[grid]\n" + "".join(f'"workload.{f}" = [{values}]\n'
                                                                for f in ("steps", "eval_every", "eval_batches")))
+    (tmp_path / "sweep-long-name.toml").write_text(sweep.replace('"s"', '"' + "x" * 300 + '"') + '[grid]\n"strategy.name" = ["ddp"]\n')
     (tmp_path / "sweep-twice.toml").write_text(sweep + '[grid]\n"strategy.bucket_mb" = [1, 1.0]\n')
     (tmp_path / "sweep-checkpoints.toml").write_text(
         'name = "s"\n[base]\ncheckpoint_dir = "ck"\n[base.workload]\nname = "mlp-digits"\nsteps = 2\n'
@@ -646,3 +650,25 @@ def test_a_read_that_finds_the_store_locked_past_the_busy_timeout_is_one_line(me
     assert run_app(app, []) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "locked by another process" in err and "Traceback" not in err
+
+
+def test_a_cuda_backend_or_device_is_refused_only_where_torch_finds_no_gpu(monkeypatch: pytest.MonkeyPatch):
+    """The check asks torch when the run starts: the same config runs unchanged on a machine with CUDA."""
+    import torch
+
+    from ddlscope.cli.common import UserError, check_devices
+    from ddlscope.runtime.config import load_experiment
+
+    exp = load_experiment(None, {"cluster.backend": "nccl", "cluster.device": "cuda"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_devices(exp)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="cluster.backend = 'nccl'"):
+        check_devices(exp)
+
+
+def test_sweep_help_shows_the_sections_of_a_sweep_file(capsys: pytest.CaptureFixture[str]):
+    """Rich markup read `[base]` and `[grid]` in the help as tags and dropped them."""
+    assert main(["sweep", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[base]" in out and "[grid]" in out

@@ -17,7 +17,7 @@ from rich.table import Column, Table
 
 from ddlscope.cli.common import (DEFAULT_DB, MAX_RUN_ID, DbOption, RunArg, UserError, check_local_ranks, check_output_folder,
                                  check_run_outputs, console, err_console, json_option, open_store, progress_phase,
-                                 run_ref_callback)
+                                 has_control_characters, run_ref_callback)
 from ddlscope.specs import is_baseline
 from ddlscope.store import Run, Store, StoreError, atomic_output
 
@@ -134,8 +134,11 @@ def launch(
     a `ddlscope run` (docs/attach.md). Example: ddlscope launch --nproc 2 train.py -- --epochs 1
     """
     from ddlscope.runtime.script import check_script, launch_script
+    from ddlscope.specs import run_name_problem
 
     check_script(script)
+    if name is not None and (run_name_problem(name) or has_control_characters(name)):
+        raise UserError(f"--name: {run_name_problem(name) or 'holds a line break or control character; remove it'}")
     if db.parent and not db.resolve().parent.exists():
         raise UserError(f"--db {db}: folder {db.resolve().parent} does not exist")
     sinks = _choose_sinks(log, log_dir, db)

@@ -263,15 +263,23 @@ class Experiment(Spec):
     @field_validator("name")
     @classmethod
     def _name_fits(cls, name: str) -> str:
-        if len(name) > MAX_NAME_CHARS:
-            raise ValueError(f"{len(name):,} characters, more than {MAX_NAME_CHARS} (a name labels tables and "
-                             "report titles)")
+        problem = run_name_problem(name)
+        if problem:
+            raise ValueError(problem)
         return name
 
     def per_rank_batch(self) -> int:
         if self.strategy.traits.splits_global_batch:
             return self.workload.batch_size // self.cluster.world_size
         return self.workload.batch_size
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a run (None: it can): longer than MAX_NAME_CHARS (`ddlscope launch --name` asks
+    too, its runs having no Experiment of their own)."""
+    if len(name) > MAX_NAME_CHARS:
+        return f"{len(name):,} characters, more than {MAX_NAME_CHARS} (a name labels tables and report titles)"
+    return None
 
 
 def check_consistency(exp: Experiment) -> None:

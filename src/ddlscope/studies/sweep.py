@@ -46,6 +46,7 @@ GRID_SECTIONS = ("workload", "strategy", "cluster")
 # 10**6 was silent for minutes doing only that).
 MAX_SWEEP_CELLS = 1_000
 SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+MAX_SWEEP_NAME = 128
 
 
 class SweepSpec(BaseModel):
@@ -65,6 +66,9 @@ class SweepSpec(BaseModel):
     def _name(cls, name: str) -> str:
         if not SWEEP_NAME.fullmatch(name):
             raise ValueError(f"{name!r}: use letters, digits, '.', '_' and '-' (it names the runs and the report file)")
+        if len(name) > MAX_SWEEP_NAME:  # NAME-report.html must fit a file name (255 bytes)
+            raise ValueError(f"{len(name):,} characters, more than {MAX_SWEEP_NAME} (it names the runs and the "
+                             "report file)")
         return name
 
     @field_validator("base")
