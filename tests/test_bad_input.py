@@ -534,7 +534,7 @@ def _documented_message(case: str) -> str:
 
 # ---------------------------------------------------------------------------- as a user runs it
 @pytest.mark.parametrize("case", ["run-toml-binary", "seed-overflow", "export-missing-folder", "set-line-break-in-key",
-                                  "slurm-time-newline"])
+                                  "slurm-time-newline", "run-name-not-utf8"])
 def test_bad_input_in_a_real_process(case: str, cli, tmp_path: Path) -> None:
     """The same refusals from a `ddlscope` process: what a terminal shows, no traceback, no store."""
     (tmp_path / "garbage.toml").write_bytes(bytes(range(128, 256)) * 2)
