@@ -117,6 +117,28 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused_before_it_is_unpickled(tmp_
         assert not [e for e in store.events(run_id) if e["kind"] == "resumed"]
 
 
+def test_the_launcher_and_each_rank_refuse_the_crafted_checkpoint_too(tmp_path, exp):
+    """The CLI's early look is not the only one: a resume through launch() (a study) and a rank's restore
+    (an elastic restart) check the MAC before dcp.load."""
+    from ddlscope.runtime.checkpoint import Checkpointer
+
+    db, marker = tmp_path / "ddlscope.db", tmp_path / "pwned"
+    run_id = stored_run(db, exp)
+    root = run_dir_for(db, UUID) / "checkpoints"
+    crafted_checkpoint(root, exp, marker, run_key(b"another store's secret", UUID))
+    locks: list[int] = []
+    with Store(db) as store:
+        with pytest.raises(CheckpointError, match="not signed"):
+            _open_run(exp, store, db, store.get_run(run_id), locks)
+        key = run_key(store.checkpoint_secret(), UUID)
+    for fd in locks:
+        os.close(fd)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match="not signed"):
+        Checkpointer(root, exp, 0, torch.device("cpu"), key=key).restore(model, torch.optim.SGD(model.parameters()))
+    assert not marker.exists()
+
+
 def test_a_checkpoint_signed_for_another_run_or_store_is_refused(tmp_path, exp):
     folder = partial_dir(tmp_path, 5)
     folder.mkdir(parents=True)
@@ -138,9 +160,10 @@ def test_a_hand_edited_manifest_is_refused_in_one_line(tmp_path, exp, manifest):
     folder = step_dir(tmp_path, 5)
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
-    with pytest.raises(CheckpointError) as error:
-        latest_checkpoint(tmp_path, exp, key=b"k")
-    assert "\n" not in str(error.value) and "manifest" in str(error.value)
+    for key in (b"k", None):  # None: the parameter servers' look, which reads no pickle
+        with pytest.raises(CheckpointError) as error:
+            latest_checkpoint(tmp_path, exp, key=key)
+        assert "\n" not in str(error.value) and "manifest" in str(error.value)
 
 
 # ---------------------------------------------------------------------------- one live launcher per run

@@ -186,11 +186,23 @@ def _resumable(ref: str, db: Path) -> tuple[Any, Run]:
 
     with open_store(db) as store:
         run_ = store.get_run(ref)
-    if run_.shown_status not in ("interrupted", "failed", "died"):
-        raise UserError(f"run {run_.id} is {run_.shown_status}: only an interrupted or failed run can be resumed")
-    if not run_dir_for(db, run_.uuid).is_dir():
-        raise UserError(f"run {run_.id}: its folder {run_dir_for(db, run_.uuid)} is gone, nothing to resume from")
-    return experiment_from_dict(run_.config), run_
+        if run_.shown_status not in ("interrupted", "failed", "died"):
+            raise UserError(f"run {run_.id} is {run_.shown_status}: only an interrupted or failed run can be resumed")
+        if not run_dir_for(db, run_.uuid).is_dir():
+            raise UserError(f"run {run_.id}: its folder {run_dir_for(db, run_.uuid)} is gone, nothing to resume from")
+        exp = experiment_from_dict(run_.config)
+        _refuse_an_unsigned_checkpoint(exp, run_, db, store.checkpoint_secret())
+    return exp, run_
+
+
+def _refuse_an_unsigned_checkpoint(exp: Any, run_: Run, db: Path, secret: bytes) -> None:
+    """The newest checkpoint's manifest against the store's key, before any process starts (its files
+    are hashed by the launcher, under the run's lock, before a rank loads them)."""
+    from ddlscope.runtime.checkpoint import checkpoint_root, latest_checkpoint, run_key
+    from ddlscope.runtime.rows import run_dir_for
+
+    latest_checkpoint(checkpoint_root(exp, run_dir_for(db, run_.uuid)), exp, key=run_key(secret, run_.uuid),
+                      verify_files=False)
 
 
 def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json: bool, sinks: Any = None) -> None:

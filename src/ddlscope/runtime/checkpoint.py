@@ -72,6 +72,11 @@ def _mac(key: bytes, manifest: dict[str, Any]) -> str:
     return hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
+def checkpoint_root(exp: Experiment, run_dir: Path) -> Path:
+    """Where a run's checkpoints go: the experiment's checkpoint_dir, or the run's own folder."""
+    return Path(exp.checkpoint_dir) if exp.checkpoint_dir else run_dir / "checkpoints"
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 

@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 import ddlscope
-from ddlscope.runtime.checkpoint import complete_steps, latest_checkpoint, run_key
+from ddlscope.runtime.checkpoint import checkpoint_root, complete_steps, latest_checkpoint, run_key
 from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
 from ddlscope.runtime.heartbeat import Beat, Watchdog, signal_own_process
@@ -122,11 +122,6 @@ def launch(exp: Experiment, store_path: Path,
     nprocs = cluster.procs_per_node + exp.strategy.extra_ranks()
     with ShapedNetwork(nprocs, network_record["shaped_bandwidth_bytes_per_s"]) as shaped:
         return _launch(exp, store_path, on_progress, shaped, resume, sinks)
-
-
-def checkpoint_root(exp: Experiment, run_dir: Path) -> Path:
-    """Where a run's checkpoints go: the experiment's checkpoint_dir, or the run's own folder."""
-    return Path(exp.checkpoint_dir) if exp.checkpoint_dir else run_dir / "checkpoints"
 
 
 def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | None,
