@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from ddlscope.specs import ConfigError
 from ddlscope.specs.strategies.batching import balanced_split, split_batch, step_slowdowns
+from phase_checks import assert_step_phases
 
 STEPS = 11
 RESPLIT = 5  # re-splits at steps 5 and 10; steps 0-1 are not measured (one-off costs)
@@ -238,6 +239,9 @@ def test_dbs_equals_ddp_and_moves_the_batch_to_the_fast_worker(trained):
     sent = [r["bytes_sent"] for r in trained[0]["rows"]["dbs-equal"]]
     ddp_sent = trained[0]["rows"]["ddp"][0]["bytes_sent"]
     assert sent == [ddp_sent + (16 if s in (RESPLIT, 2 * RESPLIT) else 0) for s in range(STEPS)]
+    for label, overrides in CONFIGS.items():
+        for rank in (0, 1):
+            assert_step_phases(trained[rank]["rows"][label], overrides["strategy.name"])
 
 
 def _median_compute_s(trained: dict[int, Any], rank: int, label: str, steps: range) -> float:

@@ -140,11 +140,12 @@ def test_warmup_steps_train_like_ddp(trained):
 
 @pytest.mark.timeout(240)
 def test_phases_add_up_and_the_average_is_communication(trained):
+    from phase_checks import assert_step_phases
+
+    for label, overrides in CONFIGS.items():
+        for rank in (0, 1):
+            assert_step_phases(trained[rank]["rows"][label], overrides["strategy.name"])
     rows = trained[0]["rows"]
-    for label in ("localsgd-3", "cocod", "hpsgd-1", "diloco"):
-        for r in rows[label]:
-            phases = r["data_s"] + r["forward_s"] + r["backward_s"] + r["comm_wait_s"] + r["optimizer_s"]
-            assert phases == pytest.approx(r["step_s"], rel=1e-9, abs=1e-9)
     # An average is in flight some time; the blocking one shows as waiting.
     assert all(r["comm_s"] > 0 for r in rows["localsgd-3"] if r["bytes_sent"])
     assert all(r["comm_wait_s"] >= r["comm_s"] * 0.5 for r in rows["localsgd-3"] if r["bytes_sent"])

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from conftest import run_cli
+from phase_checks import assert_store_phases
 from ddlscope.runtime.instrument import optimizer_state_bytes, parameter_bytes
 from ddlscope.specs import ConfigError
 from ddlscope.strategies.comm import CommRecorder, LinkModel, _RecordedWork
@@ -97,6 +98,7 @@ def test_fsdp_records_every_collective(ddp_and_fsdp):
         assert comm_s > 0
         assert 0 < comm_wait_s <= comm_s + 0.05  # blocked collectives (+ a no-op synchronize)
         assert backward_s > 0
+    assert assert_store_phases(folder / "ddlscope.db") == {"ddp", "fsdp"}
 
 
 @pytest.mark.multiprocess

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from phase_checks import assert_step_phases
+
 pytestmark = pytest.mark.multiprocess
 
 STEPS, WORKERS = 5, 4
@@ -29,6 +31,8 @@ CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {  # label: (overrides, sequen
     "ps-async-seq": ({"strategy.name": "ps-async"}, True),
     "omnivore-4-seq": ({"strategy.name": "omnivore", "strategy.groups": WORKERS}, True),
     "omnivore-2": ({"strategy.name": "omnivore", "strategy.groups": 2}, False),
+    # trained for its step rows' phase check alone (tests/phase_checks.py): no other test trains it
+    "ps-stale-aware": ({"strategy.name": "ps-stale-aware"}, False),
 }
 
 
@@ -137,6 +141,13 @@ def test_two_groups_all_reduce_inside_and_push_once_per_group(trained):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     # Asynchronous across groups: close to the synchronous update, but not far from it
     assert max_difference(models[0]["models"]["omnivore-2"], models[0]["models"]["ps-sync"]) < 0.5
+
+
+@pytest.mark.timeout(300)
+def test_every_workers_step_phases_add_up(trained):
+    for label, (overrides, _) in CONFIGS.items():
+        for rank in range(WORKERS):
+            assert_step_phases(trained[rank]["rows"][label], overrides["strategy.name"])
 
 
 @pytest.mark.timeout(300)

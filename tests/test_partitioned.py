@@ -17,6 +17,7 @@ import torch
 from ddlscope.runtime.config import load_experiment
 from ddlscope.specs import ConfigError
 from ddlscope.workloads import WORKLOADS
+from phase_checks import assert_step_phases
 from rank_runs import records as _records
 from rank_runs import spawn_runs
 from rank_runs import train_rank as _train
@@ -77,6 +78,7 @@ def test_only_forward_activations_cross_parts(runs: Path):
         assert len(steps0) == BASE["workload.steps"]
         assert {r["bytes_sent"] for r in steps0} == {BASE["workload.batch_size"] * BASE["workload.hidden"] * 4}
         assert {r["bytes_sent"] for r in steps1} == {0}
+        assert_step_phases(steps0 + steps1, "partitioned")
 
 
 @pytest.mark.multiprocess

@@ -18,6 +18,7 @@ import torch
 
 from ddlscope.runtime.config import load_experiment
 from ddlscope.workloads import WORKLOADS
+from phase_checks import assert_step_phases
 from rank_runs import spawn_runs
 from rank_runs import train_rank as _train
 
@@ -87,9 +88,12 @@ def test_every_schedule_trains_like_one_process(runs: Path, schedule: str):
         moved = max(moved, (single[name] - before).abs().max().item())
     assert moved > 1e-2  # training moved the parameters: equality is not trivially true
     single_losses = [r["loss"] for r in _records(runs, "single", "step")]
+    strategy = _overrides(EQUAL, schedule)["strategy.name"]
     for rank in range(WORLD):  # the last stage's loss, shared with every rank
         losses = [r["loss"] for r in _records(runs, f"equal-{schedule}-{rank}", "step")]
         assert losses == pytest.approx(single_losses, abs=1e-5)
+        for kind in ("equal", "timed") if schedule in SCHEDULES else ("equal",):
+            assert_step_phases(_records(runs, f"{kind}-{schedule}-{rank}", "step"), strategy)
     # Evaluation runs the whole model across the stages: the same test loss as one process.
     single_eval = _records(runs, "single", "eval")[-1]["loss"]
     assert _records(runs, f"equal-{schedule}-0", "eval")[-1]["loss"] == pytest.approx(single_eval, abs=1e-5)

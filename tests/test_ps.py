@@ -6,6 +6,8 @@ import sqlite3
 import pytest
 import torch
 
+from phase_checks import assert_store_phases
+
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 6
@@ -35,6 +37,7 @@ def test_ps_sync_matches_ddp_with_momentum_and_two_servers(cli, tmp_path):
 def test_ssp_with_bound_zero_is_synchronous(cli, tmp_path):
     sync = _train(cli, tmp_path, "ps-sync", "sync.pt")
     _assert_same(_train(cli, tmp_path, "ssp", "ssp0.pt", "--set", "strategy.staleness=0"), sync)
+    assert assert_store_phases(tmp_path / "ddlscope.db") == {"ps-sync", "ssp"}
 
 
 def test_staleness_is_zero_for_sync_and_positive_for_async_under_a_straggler(cli, tmp_path):

@@ -41,13 +41,13 @@ def test_run_prints_summary_and_stores_every_row(ddp4):
 def test_step_parts_add_up_to_step_time(ddp4):
     import sqlite3
 
+    from phase_checks import assert_store_phases
+
     home, _ = ddp4
+    assert assert_store_phases(home / "ddlscope.db") == {"ddp"}
     with sqlite3.connect(home / "ddlscope.db") as conn:
-        rows = conn.execute("SELECT data_s, forward_s, backward_s, comm_wait_s, optimizer_s, step_s, bytes_sent,"
-                            " samples FROM steps").fetchall()
-    for *parts, step_s, bytes_sent, samples in rows:
-        assert all(p >= 0 for p in parts)
-        assert sum(parts) == pytest.approx(step_s, rel=1e-6, abs=1e-9)
+        rows = conn.execute("SELECT bytes_sent, samples FROM steps").fetchall()
+    for bytes_sent, samples in rows:
         assert samples == 64 // 4
         assert bytes_sent > 0  # DDP all-reduces every step
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,9 +17,11 @@ import torch
 from ddlscope.runtime.config import load_experiment
 from ddlscope.runtime.loop import train
 from ddlscope.runtime.rows import RowWriter, read_records
-from ddlscope.runtime.timer import PhaseTimer
+from ddlscope.runtime.timer import PhaseTimer, step_phases
 from ddlscope.strategies.base import RunContext, Strategy, StepTimer
+from ddlscope.strategies.comm import CommStats
 from ddlscope.workloads import WORKLOADS
+from phase_checks import CHECKED_IN, PARTS, assert_step_phases
 
 MICRO_BATCHES = 4
 SYNC_S = 0.02  # a synchronize phase that sleeps: its time must land in comm_wait_s
@@ -60,16 +63,16 @@ def _run(tmp_path: Path, strategy_class: type[Strategy], steps: int = 4) -> tupl
 def test_a_strategy_that_owns_its_step_is_timed_and_trains_like_the_whole_batch(tmp_path: Path):
     rows, accumulated = _run(tmp_path, AccumulateMicroBatches)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert_step_phases(rows, "single")
     for r in rows:
-        phases = r["data_s"] + r["forward_s"] + r["backward_s"] + r["comm_wait_s"] + r["optimizer_s"]
-        assert phases == pytest.approx(r["step_s"], rel=1e-9, abs=1e-9)
         assert SYNC_S <= r["comm_wait_s"] < SYNC_S + 0.015  # the synchronize phase, nothing else
         assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["compute_cpu_s"] > 0
         assert r["samples"] == 32
     # The mean of the micro-batch gradients is the whole batch's: the same model as the default step.
     from ddlscope.strategies.single import Single
 
-    _, whole = _run(tmp_path, Single)
+    single_rows, whole = _run(tmp_path, Single)
+    assert_step_phases(single_rows, "single")
     for a, b in zip(accumulated.state_dict().values(), whole.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -105,3 +108,25 @@ def test_phases_are_contiguous_and_repeated_phases_add_up():
     with pytest.raises(ValueError, match="unknown phase 'warmup'"):
         with timer.phase("warmup"):
             pass
+
+
+def test_exposed_communication_moves_from_its_phase_to_the_wait():
+    """The split every step row is written with (the loop's and an attached job's): blocked forward
+    and backward communication is waiting, not compute, and nothing is counted twice."""
+    seconds = {"data": 0.01, "forward": 0.30, "backward": 0.50, "synchronize": 0.02, "optimizer": 0.04}
+    timer = SimpleNamespace(seconds=seconds, step_start_s=100.0, end_s=100.0 + sum(seconds.values()))
+    row = step_phases(timer, CommStats(exposed_in_forward_s=0.12, exposed_in_backward_s=0.2))  # type: ignore[arg-type]
+    assert row == pytest.approx({"data_s": 0.01, "forward_s": 0.18, "backward_s": 0.30, "comm_wait_s": 0.34,
+                                 "optimizer_s": 0.04, "step_s": 0.87}, rel=1e-9)
+    assert sum(row[p] for p in PARTS) == pytest.approx(row["step_s"], rel=1e-9)
+
+
+def test_every_registered_strategy_has_a_run_whose_phases_are_checked():
+    """A strategy registered without a test that passes its step rows to tests/phase_checks.py fails
+    here: name the module that does in phase_checks.CHECKED_IN."""
+    from ddlscope.specs import STRATEGY_SPECS
+
+    assert set(CHECKED_IN) == set(STRATEGY_SPECS.names())
+    for strategy, module in CHECKED_IN.items():
+        source = (Path(__file__).parent / module).read_text()
+        assert "phase_checks import" in source and f'"{strategy}"' in source, (strategy, module)

@@ -55,7 +55,7 @@ from ddlscope.runtime.instrument import (
     ActivationMeter, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter, done_pids, leave_done_marker, rank_file, run_dir_for
 from ddlscope.runtime.sinks import SinkChoice, Sinks, choose_sinks, run_label
-from ddlscope.runtime.timer import PhaseTimer
+from ddlscope.runtime.timer import PhaseTimer, step_phases
 from ddlscope.runtime.trace import StepTracer, traces_dir_for
 from ddlscope.specs import ConfigError
 from ddlscope.store import DEFAULT_DB
@@ -414,16 +414,12 @@ class Meter:
     def _write_step(self, step: Step) -> None:
         assert self._writer is not None
         timer = self._timer
-        phases = timer.seconds
         comm = self._comm_stats(timer.backward_end_s if timer.entries["backward"] else timer.end_s,
                                 self._forward_end_s)
-        backward_compute_s = phases["backward"] - comm.exposed_in_backward_s
         self._writer.write(
-            "step", step=self._step_index, t_s=timer.step_start_s - self._start_s, data_s=phases["data"],
-            forward_s=phases["forward"] - comm.exposed_in_forward_s, backward_s=backward_compute_s,
-            comm_wait_s=comm.exposed_in_forward_s + comm.exposed_in_backward_s + phases["synchronize"],
-            optimizer_s=phases["optimizer"], step_s=timer.end_s - timer.step_start_s, comm_s=comm.total_s,
-            compute_cpu_s=timer.compute_cpu_s, samples=step.samples if step.samples is not None else 0,
+            "step", step=self._step_index, t_s=timer.step_start_s - self._start_s, **step_phases(timer, comm),
+            comm_s=comm.total_s, compute_cpu_s=timer.compute_cpu_s,
+            samples=step.samples if step.samples is not None else 0,
             loss=_float(step.loss if step.loss is not None else self._output_loss), bytes_sent=comm.bytes_sent)
         self._output_loss = None
 

@@ -30,7 +30,7 @@ from ddlscope.runtime.heartbeat import Heartbeat
 from ddlscope.runtime.instrument import (
     ActivationMeter, device_sync, gradient_bytes, optimizer_state_bytes, parameter_bytes, peak_process_bytes)
 from ddlscope.runtime.rows import RowWriter
-from ddlscope.runtime.timer import PhaseTimer
+from ddlscope.runtime.timer import PhaseTimer, step_phases
 from ddlscope.runtime.trace import StepTracer
 from ddlscope.specs import Experiment, WorkloadSpec
 from ddlscope.strategies.base import RunContext, Strategy
@@ -124,14 +124,10 @@ def train(task: Task, strategy: Strategy, ctx: RunContext, writer: RowWriter,
             memory["optimizer"] = optimizer_state_bytes(optimizer)
 
         comm = strategy.comm_stats(backward_end_s=timer.backward_end_s)
-        phases = timer.seconds
-        backward_compute_s = phases["backward"] - comm.exposed_in_backward_s
-        straggler.learn(backward_compute_s, timer.entries["forward"])
+        phases = step_phases(timer, comm)
+        straggler.learn(phases["backward_s"], timer.entries["forward"])
         writer.write(
-            "step", step=step, t_s=timer.step_start_s - start, data_s=phases["data"],
-            forward_s=phases["forward"] - comm.exposed_in_forward_s, backward_s=backward_compute_s,
-            comm_wait_s=comm.exposed_in_forward_s + comm.exposed_in_backward_s + phases["synchronize"],
-            optimizer_s=phases["optimizer"], step_s=timer.end_s - timer.step_start_s, comm_s=comm.total_s,
+            "step", step=step, t_s=timer.step_start_s - start, **phases, comm_s=comm.total_s,
             compute_cpu_s=timer.compute_cpu_s, samples=len(x), loss=loss_value, bytes_sent=comm.bytes_sent,
         )
         if on_step:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ddlscope.runtime.instrument import device_sync
+
+if TYPE_CHECKING:
+    from ddlscope.strategies.comm import CommStats
 
 clock = time.perf_counter
 PHASES = ("data", "forward", "backward", "synchronize", "optimizer")
@@ -88,3 +91,23 @@ class PhaseTimer:
     def end_s(self) -> float:
         """When the last phase so far ended."""
         return self._mark_s
+
+
+def step_phases(timer: PhaseTimer, comm: CommStats) -> dict[str, float]:
+    """The step row's breakdown of the step `timer` just timed, in seconds: data_s, forward_s,
+    backward_s, comm_wait_s, optimizer_s and step_s, the five parts adding up to step_s.
+
+    Communication the step was blocked on inside forward or backward (FSDP's all-gathers, halo
+    exchanges, the wait after DDP's last bucket: `comm`'s exposed seconds) is taken out of that
+    phase and counted as waiting, with the synchronize phase; forward_s and backward_s are compute.
+    The loop and an attached job (runtime/attach.py) write their rows from this one split.
+    """
+    seconds = timer.seconds
+    return {
+        "data_s": seconds["data"],
+        "forward_s": seconds["forward"] - comm.exposed_in_forward_s,
+        "backward_s": seconds["backward"] - comm.exposed_in_backward_s,
+        "comm_wait_s": comm.exposed_in_forward_s + comm.exposed_in_backward_s + seconds["synchronize"],
+        "optimizer_s": seconds["optimizer"],
+        "step_s": timer.end_s - timer.step_start_s,
+    }
