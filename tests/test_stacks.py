@@ -159,3 +159,47 @@ def test_json_names_the_stack_and_where_its_figure_came_from():
     ideal = json.loads(_cli("predict", *MTNLG_ARGS, "--json").stdout)
     assert ideal["stack"]["name"] == "ideal" and ideal["stack"]["figure_from"] == "none"
     assert ideal["sustained_fraction"] == 1.0 and ideal["model"]["attention"] == "flash"
+
+
+def test_ideal_restricts_no_layout_the_planner_searches():
+    from ddlscope.predict.planner import candidate_configs
+
+    model = ModelSpec(hidden=2048, heads=16, layers=24, seq=2048, vocab=51200, global_batch=256)
+    c = candidate_configs(model, parse_cluster("h100:2x8"), 8)
+    allowed = get_stack("ideal").allowed(c.tp, c.pp, c.cp, c.zero, c.recompute, c.sequence_parallel, c.interleave,
+                                         c.schedule)
+    assert len(c) > 1000 and allowed.all()
+    assert 1 in set(c.schedule[c.pp > 1].tolist())  # GPipe rows are among them
+
+
+def test_fp32_gradient_reduction_doubles_fsdp_reduce_scatter_bytes_and_adds_the_copy():
+    """torchtitan-2024 reduces gradients in fp32 (its mixed_precision_reduce default): each ZeRO-3
+    reduce-scatter carries 4 bytes per parameter, after FSDP's copy of the 16-bit gradients into the
+    fp32 buffer (read 2, write 4 bytes per parameter at the streaming bandwidth)."""
+    from ddlscope.predict import collectives as coll
+    from ddlscope.predict.model import ConfigArrays, _Shape, _zero_collectives_s
+
+    import numpy as np
+
+    model = ModelSpec(hidden=8192, heads=64, layers=80, seq=2048, vocab=50368, global_batch=256)
+    cluster = parse_cluster("h100:8x8")
+    x = _Shape.of(model, ConfigArrays.with_defaults(tp=np.array([1]), pp=np.array([1]), dp=np.array([64]),
+                                                    micro_batch=np.array([1]), zero=np.array([3])))
+    params = np.array([1e9])
+    _, bf16, _ = _zero_collectives_s(cluster, x, params, 2.0)
+    _, fp32, _ = _zero_collectives_s(cluster, x, params, 4.0)
+    copy_s = 6e9 / (3.35e12 * 0.90)  # H100 datasheet bandwidth x its STREAM fraction: 1.99 ms
+    wire = coll.reduce_scatter_s(4e9, 64.0, 8.0, cluster.node)
+    fp32, bf16, wire = (float(np.squeeze(v)) for v in (fp32, bf16, wire))
+    assert fp32 == pytest.approx(wire + copy_s, rel=1e-9)
+    assert 1.9 < wire / bf16 < 2.05  # bandwidth-bound: twice the bytes
+    stack = get_stack("torchtitan-2024")
+    model13 = ModelSpec(hidden=5120, heads=40, layers=40, seq=2048, vocab=50368, global_batch=512)
+    m, p, c = with_stack(stack, model13, ParallelSpec(dp=64, micro_batch=1), cluster)
+    assert p.grad_reduce_bytes == 4 and p.zero == 3 and not stack.has_figure
+    m2, p2, c2 = with_stack(stack, model13, ParallelSpec(dp=64, micro_batch=1), cluster, given={"grad_reduce_bytes"})
+    fp32_step, bf16_step = predict(m, p, c), predict(m2, p2, c2)
+    assert fp32_step.breakdown_s["zero_comm"] > bf16_step.breakdown_s["zero_comm"]
+    # micro-batch 1: a layer's backward (~3 ms) is shorter than its gather plus the fp32 reduce-scatter and copy,
+    # so the extra bytes show: 1.29x the step measured (2.78 s against 2.15 s)
+    assert 1.2 < fp32_step.step_time_s / bf16_step.step_time_s < 1.4

@@ -311,7 +311,8 @@ def plan_command(
             the_stack, _step_model(spec.model), ParallelSpec(**spec.parallel.stack()), the_cluster, given,
             figure=not own_figure)
         options.update(overlap_grad_reduce=switches.overlap_grad_reduce,
-                       fused_grad_accumulation=switches.fused_grad_accumulation)
+                       fused_grad_accumulation=switches.fused_grad_accumulation,
+                       grad_reduce_bytes=switches.grad_reduce_bytes)
         result = plan(step_model, the_cluster, stack=the_stack, **options)
     if as_json:
         out = {

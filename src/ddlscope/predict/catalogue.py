@@ -184,6 +184,7 @@ class Stack:
     figure_device: str = ""  # the catalogue device that run used
     overlap_grad_reduce: bool | None = None
     fused_grad_accumulation: bool | None = None
+    grad_reduce_bytes: int | None = None  # 4: gradients reduced in fp32 (FSDP2's reduce dtype under torchtitan)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # the first is the stack's default
     attention: str | None = None
     tensor_parallel: bool = True
@@ -191,7 +192,7 @@ class Stack:
     context_parallel: bool = True
     selective_recompute: bool = True
     # none | 1f1b (PipeDream-flush, no interleaving) | interleaved (1F1B and interleaved 1F1B) | any (GPipe too)
-    pipeline: str = "interleaved"
+    pipeline: str = "any"
 
     @property
     def has_figure(self) -> bool:
@@ -200,7 +201,7 @@ class Stack:
     def parallel_defaults(self) -> dict[str, Any]:
         """ParallelSpec fields the stack sets where the input leaves them unset."""
         out: dict[str, Any] = {"zero": self.zero_stages[0]}
-        for name in ("overlap_grad_reduce", "fused_grad_accumulation"):
+        for name in ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -306,7 +307,7 @@ def catalogue_from_dict(raw: dict[str, Any]) -> Catalogue:
     return Catalogue(devices, links, clusters, _published_share_low(raw.get("validation", {})), stacks)
 
 
-_STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "attention", "tensor_parallel",
+_STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "attention", "tensor_parallel",
                    "sequence_parallel", "context_parallel", "selective_recompute", "pipeline")
 
 
@@ -323,8 +324,10 @@ def _stack(key: str, d: dict[str, Any], devices: dict[str, Device]) -> Stack:
         if d["figure_device"] not in devices:
             raise CatalogueError(f"stacks.{key}: unknown figure_device {d['figure_device']!r}")
         check_sustained_fraction(float(figure), devices[d["figure_device"]])
-    if d.get("pipeline", "interleaved") not in PIPELINE_ENGINES:
+    if d.get("pipeline", "any") not in PIPELINE_ENGINES:
         raise CatalogueError(f"stacks.{key}: pipeline = {d['pipeline']!r}: allowed: {', '.join(PIPELINE_ENGINES)}")
+    if d.get("grad_reduce_bytes", 2) not in (2, 4):
+        raise CatalogueError(f"stacks.{key}: grad_reduce_bytes = {d['grad_reduce_bytes']!r}: allowed: 2, 4")
     if d.get("attention") not in (None, "flash", "unfused"):
         raise CatalogueError(f"stacks.{key}: attention = {d['attention']!r}: allowed: flash, unfused")
     stages = tuple(int(z) for z in d.get("zero_stages", (0, 1, 2, 3)))

@@ -55,6 +55,7 @@ class ConfigArrays:
     fused_grad_accumulation: bool = False
     cp: np.ndarray | None = None  # None: 1 everywhere
     ep: np.ndarray | None = None
+    grad_reduce_bytes: float = 2.0  # bytes per gradient element the data-parallel reductions carry
 
     def __post_init__(self) -> None:
         ones = np.ones(len(self.tp), dtype=int)
@@ -81,7 +82,7 @@ class ConfigArrays:
                    interleave=col(lambda s: s.interleave), schedule=col(lambda s: SCHEDULE_CODES[s.schedule]),
                    overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
                    fused_grad_accumulation=first.fused_grad_accumulation,
-                   cp=col(lambda s: s.cp), ep=col(lambda s: s.ep))
+                   cp=col(lambda s: s.cp), ep=col(lambda s: s.ep), grad_reduce_bytes=first.grad_reduce_bytes)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -101,7 +102,7 @@ class ConfigArrays:
                             sequence_parallel=bool(self.sequence_parallel[i]), interleave=int(self.interleave[i]),
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
                             bucket_mb=self.bucket_mb, fused_grad_accumulation=self.fused_grad_accumulation,
-                            cp=int(self.cp[i]), ep=int(self.ep[i]))
+                            cp=int(self.cp[i]), ep=int(self.ep[i]), grad_reduce_bytes=int(self.grad_reduce_bytes))
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
@@ -287,12 +288,21 @@ def _data_group(cluster: Cluster, x: _Shape, experts: bool = False):
     return size, coll.group_members_per_node(size, stride, cluster.gpus_per_node)
 
 
-def _zero_collectives_s(cluster: Cluster, x: _Shape, params):
+def _zero_collectives_s(cluster: Cluster, x: _Shape, params, reduce_bytes: float = 2.0):
     """(all-gather of the weights, reduce-scatter of the gradients, one reduce-scatter's latency) over the
-    data-parallel group, for `params` parameters on a GPU: ZeRO-2/3's traffic per micro-batch."""
+    data-parallel group, for `params` parameters on a GPU: ZeRO-2/3's traffic per micro-batch.
+
+    Gradients reduced in a wider dtype than computed (`reduce_bytes` 4: FSDP's fp32 reduce dtype) carry that
+    many bytes each, and FSDP first copies the unit's 16-bit gradients into its fp32 reduce-scatter input
+    (FSDP2 foreach_reduce; FSDP1 casts the flat gradient): read 2 bytes, write `reduce_bytes`, memory-bound,
+    on the reduce-scatter's stream (counted with it)."""
     node, (group, local) = cluster.node, _data_group(cluster, x)
     shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
-    return (coll.all_gather_s(shard_bytes, group, local, node), coll.reduce_scatter_s(shard_bytes, group, local, node),
+    scatter = coll.reduce_scatter_s(params * reduce_bytes, group, local, node)
+    if reduce_bytes > memory.GRAD_BYTES_PER_PARAM:
+        scatter = scatter + compute.memory_bound_s(params * (memory.GRAD_BYTES_PER_PARAM + reduce_bytes),
+                                                   cluster.device)
+    return (coll.all_gather_s(shard_bytes, group, local, node), scatter,
             coll.reduce_scatter_s(0.0, group, local, node))
 
 
@@ -313,11 +323,13 @@ def _zero_in_step_s(cluster: Cluster, x: _Shape, params, collectives, compute_f,
     return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
 
 
-def _data_parallel_collectives_s(cluster: Cluster, x: _Shape, params, experts: bool = False):
+def _data_parallel_collectives_s(cluster: Cluster, x: _Shape, params, experts: bool = False,
+                                 reduce_bytes: float = 2.0):
     """(all-reduce and reduce-scatter of the gradients, all-gather of the weights, and the first two's
-    latencies) over the group holding copies of `params` parameters on a GPU: the end-of-step sync."""
+    latencies) over the group holding copies of `params` parameters on a GPU: the end-of-step sync
+    (`reduce_bytes` per gradient element)."""
     node, (group, local) = cluster.node, _data_group(cluster, x, experts)
-    grad_bytes = params * memory.GRAD_BYTES_PER_PARAM
+    grad_bytes = params * reduce_bytes
     return (coll.all_reduce_s(grad_bytes, group, local, node), coll.reduce_scatter_s(grad_bytes, group, local, node),
             coll.all_gather_s(params * memory.WEIGHT_BYTES_PER_PARAM, group, local, node),
             coll.all_reduce_s(0.0, group, local, node), coll.reduce_scatter_s(0.0, group, local, node))
@@ -327,7 +339,7 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, collectives, back
     """End-of-step gradient sync left to do after the last micro-batch (what ZeRO-2/3 did not do already);
     `collectives`: _data_parallel_collectives_s's."""
     all_reduce, scatter, gather, all_reduce_latency, scatter_latency = collectives
-    grad_bytes = params * memory.GRAD_BYTES_PER_PARAM
+    grad_bytes = params * c.grad_reduce_bytes
     reduce = np.where(x.zero == 0, all_reduce, scatter)
     if c.overlap_grad_reduce:  # buckets go out while the last micro-batch's backward runs
         latency = np.where(x.zero == 0, all_reduce_latency, scatter_latency)
@@ -337,7 +349,7 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, collectives, back
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
 
 
-def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape) -> dict[str, Any]:
+def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape, reduce_bytes: float = 2.0) -> dict[str, Any]:
     """Every collective of the step, by name (an array, or a tuple of them for a group's several), for
     the distinct sizes of `_distinct_sizes`: they depend on the sizes, the micro-batch and SP alone."""
     g, node = cluster.gpus_per_node, cluster.node
@@ -356,11 +368,12 @@ def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape) -> dict[str, A
            "p2p_chunk": coll.p2p_s(act_bytes / x.t, stages_across_nodes, node) + regather,
            "embedding_sync": coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
                                                np.where(stages_across_nodes, 1.0, 2.0), node),
-           "first_zero": _zero_collectives_s(cluster, x, first_params + experts_here),
-           "last_zero": _zero_collectives_s(cluster, x, last_params + experts_here),
-           "dp": _data_parallel_collectives_s(cluster, x, np.maximum(first_params, last_params))}
+           "first_zero": _zero_collectives_s(cluster, x, first_params + experts_here, reduce_bytes),
+           "last_zero": _zero_collectives_s(cluster, x, last_params + experts_here, reduce_bytes),
+           "dp": _data_parallel_collectives_s(cluster, x, np.maximum(first_params, last_params),
+                                              reduce_bytes=reduce_bytes)}
     if model.is_moe:
-        out["expert_dp"] = _data_parallel_collectives_s(cluster, x, experts_here, True)
+        out["expert_dp"] = _data_parallel_collectives_s(cluster, x, experts_here, True, reduce_bytes)
     return out
 
 
@@ -402,7 +415,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     last_compute_b = lps * (layer_b + layer_recompute) + out_b + extra_on_single(emb_b)
 
     sizes, inverse = _distinct_sizes(model, c)
-    collectives = _collectives_s(model, cluster, sizes)
+    collectives = _collectives_s(model, cluster, sizes, float(c.grad_reduce_bytes))
     def spread(name: str):  # a collective of the distinct sizes at every configuration
         value = collectives[name]
         return tuple(v[inverse] for v in value) if isinstance(value, tuple) else value[inverse]

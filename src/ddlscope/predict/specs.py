@@ -156,6 +156,9 @@ class ParallelSpec:
     buckets behind the last micro-batch's backward (DDP/Megatron-core default).
     `fused_grad_accumulation`: the weight-gradient GEMM accumulates straight into the gradient buffer
     (Megatron-LM's `--gradient-accumulation-fusion`), so no separate accumulation pass per micro-batch.
+    `grad_reduce_bytes`: bytes per gradient element the data-parallel reductions carry (2: the 16-bit
+    gradients as computed; 4: reduced in fp32, as FSDP2 under torchtitan's default reduce dtype, with
+    FSDP's copy of each unit's 16-bit gradients into the fp32 reduce-scatter buffer).
     """
 
     tp: int = 1
@@ -172,6 +175,7 @@ class ParallelSpec:
     overlap_grad_reduce: bool = True
     bucket_mb: float = 25.0
     fused_grad_accumulation: bool = False
+    grad_reduce_bytes: int = 2
 
     @property
     def gpus(self) -> int:
