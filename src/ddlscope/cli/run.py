@@ -206,6 +206,9 @@ def _refuse_an_unsigned_checkpoint(exp: Any, run_: Run, db: Path, secret: bytes)
 
 
 def _run_and_report(exp: Any, resume: Run | None, db: Path, quiet: bool, as_json: bool, sinks: Any = None) -> None:
+    from ddlscope.runtime.rank_server import start_rank_server
+
+    start_rank_server(exp.cluster.threads_per_rank)  # importing while this process imports the launcher
     from ddlscope.runtime.launcher import launch
 
     show_progress = not quiet and not as_json and console.is_terminal

@@ -40,6 +40,7 @@ from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
 from ddlscope.runtime.heartbeat import Beat, Watchdog, signal_own_process
 from ddlscope.runtime.netns import ShapedNetwork
+from ddlscope.runtime.rank_server import FORKSERVER_PRELOAD
 from ddlscope.runtime.recovery import hold_run_lock
 from ddlscope.runtime.rows import (done_pids, ingest_run_dir, rank_file, record_outcome,  # noqa: F401 (re-exported)
                                    reserve_outcome, run_dir_for)
@@ -49,10 +50,6 @@ from ddlscope.specs import ConfigError, Experiment
 from ddlscope.store import Run, Store, StoreError
 
 RDZV_ID = "ddlscope"
-# Ranks start as forks of one server process per launcher that has imported these once: a spawned
-# rank imported torch and ddlscope's runtime itself (~3-4 s of every run's start on this machine, two
-# ranks importing at once on two cores), which was most of a short run's time and a study's.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "ddlscope.runtime.launcher"]
 # The environment this module was imported with: in a forked rank, the fork server's (see _rank_entry).
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)
 
