@@ -353,6 +353,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "diloco-outer-lr-huge": (["run", "--strategy", "diloco", "--set", "strategy.outer_lr=1e308"], "strategy.outer_lr"),
     "slowdown-huge": (["run", "--set", "cluster.slowdown=[1e308, 1]"], "slowdown"),
     "start-delay-huge": (["run", "--set", "cluster.start_delay_s=[1e308, 0]"], "start delays"),
+    "bucket-huge": (["run", "--set", "strategy.bucket_mb=1e308"], "strategy.bucket_mb"),
     "threads-per-rank-huge": (["run", "--set", f"cluster.threads_per_rank={2**63}"], "cluster.threads_per_rank"),
     "worker-speeds-huge": (["run", "--set", "strategy.batch_split=\"declared\"", "--set",
                             "strategy.worker_speeds=[1e308, 1e308]"], "strategy.worker_speeds"),

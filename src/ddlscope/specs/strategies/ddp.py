@@ -29,7 +29,9 @@ class DDPSpec(HeteroBatchKnobs):  # batch_split, worker_speeds: specs/strategies
     advice = "the main study's choice for a homogeneous, gang-scheduled cluster whose model fits"
 
     name: Literal["ddp"] = "ddp"
-    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MiB (DDP's bucket_cap_mb)")
+    # At most 1 TiB: past every model's gradients (one bucket anyway); 1e308 overflowed DDP's int(bytes) in a rank.
+    bucket_mb: float = Field(25.0, gt=0, le=2**20, description="gradient bucket size in MiB (DDP's bucket_cap_mb), "
+                                                             "at most 1 TiB")
     gradient_as_bucket_view: bool = Field(False, description="gradients are views into the all-reduce buckets")
     static_graph: bool = Field(False, description="tell DDP the graph does not change between steps")
     comm_hook: Literal["none", "fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8"] = Field(
