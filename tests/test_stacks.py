@@ -203,3 +203,38 @@ def test_fp32_gradient_reduction_doubles_fsdp_reduce_scatter_bytes_and_adds_the_
     # micro-batch 1: a layer's backward (~3 ms) is shorter than its gather plus the fp32 reduce-scatter and copy,
     # so the extra bytes show: 1.29x the step measured (2.78 s against 2.15 s)
     assert 1.2 < fp32_step.step_time_s / bf16_step.step_time_s < 1.4
+
+
+@pytest.mark.parametrize("fused,per_element", [(True, 4.0), (False, 20.0)])
+def test_rotary_embedding_is_priced_at_its_bytes_per_query_and_key_element(fused, per_element):
+    """A rotary model (no learned positions) rotates every query and key element: a fused kernel reads and
+    writes it once (4 bytes), eager PyTorch as torchtitan writes it three passes (20), each way; here Llama
+    3 8B's shapes (32 query heads, 8 key heads of 128) on one H100, micro-batch 1, seq 8192."""
+    from dataclasses import replace
+
+    from ddlscope.predict import compute
+
+    dev = parse_cluster("h100:1x8").device
+    llama = ModelSpec(hidden=4096, heads=32, kv_heads=8, layers=32, seq=8192, vocab=128256, ffn_hidden=14336,
+                      gated_mlp=True, global_batch=8, learned_positions=False, tied_embeddings=False)
+    rope = compute.ROPE_BYTES_FUSED if fused else compute.ROPE_BYTES_EAGER
+    rotary = compute.layer_elementwise_times_s(llama, 1, 2, False, dev, rope)
+    table = compute.layer_elementwise_times_s(replace(llama, learned_positions=True), 1, 2, False, dev, rope)
+    expected = per_element * 8192 * (4096 + 8 * 128) / 2 / (3.35e12 * 0.90)  # TP 2: the rank's heads
+    for with_rope, without in zip(rotary, table):
+        assert float(with_rope) - float(without) == pytest.approx(expected, rel=1e-9)
+    stack = get_stack("torchtitan-2024")
+    _, parallel, _ = with_stack(stack, llama, ParallelSpec(dp=8), parse_cluster("h100:1x8"))
+    assert parallel.fused_rope is False and get_stack("ideal").parallel_defaults().get("fused_rope", True)
+
+
+def test_the_stacks_rotary_switch_reaches_the_step():
+    """Through `predict`: eager rotary adds (20 - 4) bytes per query/key element, forward and backward, in each
+    of the 32 layers of the one micro-batch (Llama 3 8B's shapes, DP 8, micro-batch 1, seq 8192)."""
+    llama = ModelSpec(hidden=4096, heads=32, kv_heads=8, layers=32, seq=8192, vocab=128256, ffn_hidden=14336,
+                      gated_mlp=True, global_batch=8, learned_positions=False, tied_embeddings=False)
+    cluster = parse_cluster("h100:1x8")
+    eager = predict(llama, ParallelSpec(dp=8, fused_rope=False), cluster)
+    fused = predict(llama, ParallelSpec(dp=8, fused_rope=True), cluster)
+    extra = 32 * 2 * 16.0 * 8192 * (4096 + 8 * 128) / (3.35e12 * 0.90)  # 0.0715 s
+    assert eager.breakdown_s["compute"] - fused.breakdown_s["compute"] == pytest.approx(extra, rel=1e-9)

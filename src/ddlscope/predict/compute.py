@@ -68,6 +68,15 @@ MOE_PERMUTE_BYTES = 8
 # recomputes the scores); causal masking lets it skip half the blocks.
 FLASH_BACKWARD_FLOPS_RATIO = 2.5
 CAUSAL_WORK_FRACTION = 0.5
+# Rotary position embedding (a model without learned positions: Llama, Mixtral) rotates every query and key
+# element after the QKV GEMM. One fused kernel (Megatron-core's --apply-rope-fusion, FlashAttention's rotary,
+# Transformer Engine) reads and writes it once: 4 bytes per element forward, and the inverse rotation of the
+# gradient the same backward. Eager PyTorch as torchtitan writes it (models/llama/model.py apply_rotary_emb:
+# `view_as_complex(x.float())`, a complex multiply by freqs_cis, `view_as_real(...).type_as(x)`) runs three
+# passes: the fp32 copy (read 2, write 4), the multiply (read 4, write 4; the small freqs table stays in L2) and
+# the cast back (read 4, write 2): 20 bytes forward, 20 backward (autograd runs the same three on the gradient).
+ROPE_BYTES_FUSED = 4.0
+ROPE_BYTES_EAGER = 20.0
 # Vocab-parallel cross entropy on fp32 logits: ~14 bytes per logit forward, as much backward.
 CROSS_ENTROPY_BYTES_PER_LOGIT = 28
 
@@ -276,12 +285,14 @@ def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, pe
     return forward, backward
 
 
-def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parallel, device: Device):
+def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parallel, device: Device,
+                              rope_bytes: float = ROPE_BYTES_FUSED):
     """(forward, backward) seconds of the memory-bound ops around the GEMMs of one layer.
 
     Without sequence parallelism the layer norms, dropouts and residual adds
     run on the full activation on every tensor-parallel rank; with it each
-    rank handles 1/tp of the sequence (Korthikanti et al. 2022).
+    rank handles 1/tp of the sequence (Korthikanti et al. 2022). A model without learned positions
+    rotates its queries and keys (`rope_bytes` per element each way; the rank's heads: / tp).
     """
     tp = np.asarray(tp, dtype=float)
     elements = np.asarray(micro_batch, dtype=float) * model.seq * model.hidden * (model.activation_bytes / 2)
@@ -293,7 +304,11 @@ def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parall
         routed = model.top_k * model.expert_load
         mlp = mlp * routed + MOE_PERMUTE_BYTES * routed * elements
     forward_bytes = replicated + mlp
-    return memory_bound_s(forward_bytes, device), memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes, device)
+    rope = 0.0
+    if not model.learned_positions:
+        rope = rope_bytes * (elements / model.hidden) * (model.hidden + model.kv * model.head_dim) / tp
+    return (memory_bound_s(forward_bytes + rope, device),
+            memory_bound_s(BACKWARD_TRAFFIC_RATIO * forward_bytes + rope, device))
 
 
 def kernel_gaps_s(device: Device):

@@ -56,6 +56,7 @@ class ConfigArrays:
     cp: np.ndarray | None = None  # None: 1 everywhere
     ep: np.ndarray | None = None
     grad_reduce_bytes: float = 2.0  # bytes per gradient element the data-parallel reductions carry
+    fused_rope: bool = True  # rotary embedding in one fused kernel (False: eager PyTorch's three passes)
 
     def __post_init__(self) -> None:
         ones = np.ones(len(self.tp), dtype=int)
@@ -82,7 +83,8 @@ class ConfigArrays:
                    interleave=col(lambda s: s.interleave), schedule=col(lambda s: SCHEDULE_CODES[s.schedule]),
                    overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
                    fused_grad_accumulation=first.fused_grad_accumulation,
-                   cp=col(lambda s: s.cp), ep=col(lambda s: s.ep), grad_reduce_bytes=first.grad_reduce_bytes)
+                   cp=col(lambda s: s.cp), ep=col(lambda s: s.ep), grad_reduce_bytes=first.grad_reduce_bytes,
+                   fused_rope=first.fused_rope)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -102,7 +104,8 @@ class ConfigArrays:
                             sequence_parallel=bool(self.sequence_parallel[i]), interleave=int(self.interleave[i]),
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
                             bucket_mb=self.bucket_mb, fused_grad_accumulation=self.fused_grad_accumulation,
-                            cp=int(self.cp[i]), ep=int(self.ep[i]), grad_reduce_bytes=int(self.grad_reduce_bytes))
+                            cp=int(self.cp[i]), ep=int(self.ep[i]), grad_reduce_bytes=int(self.grad_reduce_bytes),
+                            fused_rope=self.fused_rope)
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
@@ -198,7 +201,8 @@ def _distinct_sizes(model: ModelSpec, c: ConfigArrays) -> tuple["_Shape", np.nda
     return _Shape.of(model, sizes), inverse
 
 
-def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: float):
+def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: float,
+                    rope_bytes: float = compute.ROPE_BYTES_FUSED):
     """(layer forward, layer backward, attention forward, embedding f/b, logits f/b) for one micro-batch.
 
     `b` is the rank's share in whole sequences (micro-batch / cp): under context parallelism each rank
@@ -208,7 +212,7 @@ def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: floa
     dev = cluster.device
     gemm_f, gemm_b = compute.layer_gemm_times_s(model, b, t, dev, peak, ep)
     attn_f, attn_b = compute.attention_core_times_s(model, b, t, dev, peak)
-    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp.astype(bool), dev)
+    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp.astype(bool), dev, rope_bytes)
     gap_f, gap_b = compute.kernel_gaps_s(dev)
     emb_f, emb_b = compute.embedding_times_s(model, b, dev)
     out_f, out_b = compute.output_layer_times_s(model, b, t, dev, peak)
@@ -216,11 +220,13 @@ def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: floa
             attn_b + 0.0 * b, emb_f + 0.0 * b, emb_b + 0.0 * b, out_f, out_b)
 
 
-def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float):
+def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float,
+                   rope_bytes: float = compute.ROPE_BYTES_FUSED):
     """(forward, backward, recomputed, attention core f/b, embedding f/b, logits f/b) seconds, one micro-batch, one GPU,
     no communication; a layer's recomputation re-runs its forward (full) or its attention core (selective)."""
     forward, backward, attn_f, attn_b, emb_f, emb_b, out_f, out_b = _per_distinct(
-        lambda b, cp, t, sp, ep: _kernel_times_s(model, cluster, b / cp, t, sp, ep, peak), x.b, x.c, x.t, x.sp, x.e)
+        lambda b, cp, t, sp, ep: _kernel_times_s(model, cluster, b / cp, t, sp, ep, peak, rope_bytes),
+        x.b, x.c, x.t, x.sp, x.e)
     recomputed = np.where(x.recompute == 2, forward, np.where(x.recompute == 1, attn_f, 0.0))
     return forward, backward, recomputed, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b)
 
@@ -408,7 +414,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
 
     # -- per micro-batch, per stage: compute, tensor-parallel collectives, pipeline sends
     layer_f, layer_b, layer_recompute, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b) = _layer_times_s(
-        model, cluster, x, peak)
+        model, cluster, x, peak, compute.ROPE_BYTES_FUSED if c.fused_rope else compute.ROPE_BYTES_EAGER)
     first_compute_f = lps * layer_f + emb_f + extra_on_single(out_f)
     first_compute_b = lps * (layer_b + layer_recompute) + emb_b + extra_on_single(out_b)
     last_compute_f = lps * layer_f + out_f + extra_on_single(emb_f)

@@ -159,6 +159,7 @@ class ParallelSpec:
     `grad_reduce_bytes`: bytes per gradient element the data-parallel reductions carry (2: the 16-bit
     gradients as computed; 4: reduced in fp32, as FSDP2 under torchtitan's default reduce dtype, with
     FSDP's copy of each unit's 16-bit gradients into the fp32 reduce-scatter buffer).
+    `fused_rope`: a rotary model's query/key rotation in one fused kernel (False: eager PyTorch's three passes).
     """
 
     tp: int = 1
@@ -176,6 +177,7 @@ class ParallelSpec:
     bucket_mb: float = 25.0
     fused_grad_accumulation: bool = False
     grad_reduce_bytes: int = 2
+    fused_rope: bool = True
 
     @property
     def gpus(self) -> int:
