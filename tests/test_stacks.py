@@ -238,3 +238,24 @@ def test_the_stacks_rotary_switch_reaches_the_step():
     fused = predict(llama, ParallelSpec(dp=8, fused_rope=True), cluster)
     extra = 32 * 2 * 16.0 * 8192 * (4096 + 8 * 128) / (3.35e12 * 0.90)  # 0.0715 s
     assert eager.breakdown_s["compute"] - fused.breakdown_s["compute"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_eager_norms_and_swiglu_are_priced_at_their_passes_bytes():
+    """torchtitan without torch.compile: its RMSNorm moves 36 bytes per element where a fused norm moves 4 (two
+    per layer: 64 more), its SwiGLU 10 per f-wide element where a fused one moves 6 (4 f/h more); backward twice
+    the forward. Llama 3 8B's shapes (f/h = 3.5), one H100, micro-batch 1, seq 8192, TP 1."""
+    from ddlscope.predict import compute
+
+    dev = parse_cluster("h100:1x8").device
+    llama = ModelSpec(hidden=4096, heads=32, kv_heads=8, layers=32, seq=8192, vocab=128256, ffn_hidden=14336,
+                      gated_mlp=True, global_batch=8, learned_positions=False, tied_embeddings=False)
+    eager = compute.layer_elementwise_times_s(llama, 1, 1, False, dev, fused=False)
+    fused = compute.layer_elementwise_times_s(llama, 1, 1, False, dev, fused=True)
+    forward = (64 + 4 * 14336 / 4096) * 8192 * 4096 / (3.35e12 * 0.90)  # 0.867 ms
+    assert float(eager[0]) - float(fused[0]) == pytest.approx(forward, rel=1e-9)
+    assert float(eager[1]) - float(fused[1]) == pytest.approx(2 * forward, rel=1e-9)
+    _, parallel, _ = with_stack(get_stack("torchtitan-2024"), llama, ParallelSpec(dp=8), parse_cluster("h100:1x8"))
+    assert parallel.fused_elementwise is False
+    through = [predict(llama, ParallelSpec(dp=8, fused_elementwise=f), parse_cluster("h100:1x8")) for f in (False, True)]
+    assert through[0].breakdown_s["compute"] - through[1].breakdown_s["compute"] == pytest.approx(32 * 3 * forward,
+                                                                                                 rel=1e-9)

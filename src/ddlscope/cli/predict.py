@@ -312,7 +312,8 @@ def plan_command(
             figure=not own_figure)
         options.update(overlap_grad_reduce=switches.overlap_grad_reduce,
                        fused_grad_accumulation=switches.fused_grad_accumulation,
-                       grad_reduce_bytes=switches.grad_reduce_bytes, fused_rope=switches.fused_rope)
+                       grad_reduce_bytes=switches.grad_reduce_bytes, fused_rope=switches.fused_rope,
+                       fused_elementwise=switches.fused_elementwise)
         result = plan(step_model, the_cluster, stack=the_stack, **options)
     if as_json:
         out = {

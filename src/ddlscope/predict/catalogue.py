@@ -186,6 +186,7 @@ class Stack:
     fused_grad_accumulation: bool | None = None
     grad_reduce_bytes: int | None = None  # 4: gradients reduced in fp32 (FSDP2's reduce dtype under torchtitan)
     fused_rope: bool | None = None  # False: rotary embedding in eager PyTorch (torchtitan's complex multiply)
+    fused_elementwise: bool | None = None  # False: eager RMSNorm and SwiGLU passes (torchtitan without compile)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # the first is the stack's default
     attention: str | None = None
     tensor_parallel: bool = True
@@ -202,7 +203,8 @@ class Stack:
     def parallel_defaults(self) -> dict[str, Any]:
         """ParallelSpec fields the stack sets where the input leaves them unset."""
         out: dict[str, Any] = {"zero": self.zero_stages[0]}
-        for name in ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "fused_rope"):
+        for name in ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "fused_rope",
+                     "fused_elementwise"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -308,7 +310,8 @@ def catalogue_from_dict(raw: dict[str, Any]) -> Catalogue:
     return Catalogue(devices, links, clusters, _published_share_low(raw.get("validation", {})), stacks)
 
 
-_STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "fused_rope", "attention",
+_STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "fused_rope",
+                   "fused_elementwise", "attention",
                    "tensor_parallel", "sequence_parallel", "context_parallel", "selective_recompute", "pipeline")
 
 

@@ -77,6 +77,16 @@ CAUSAL_WORK_FRACTION = 0.5
 # the cast back (read 4, write 2): 20 bytes forward, 20 backward (autograd runs the same three on the gradient).
 ROPE_BYTES_FUSED = 4.0
 ROPE_BYTES_EAGER = 20.0
+# Eager element-wise passes (`fused_elementwise` False), as torchtitan writes a Llama layer without
+# torch.compile (models/norms.py RMSNorm: `self._norm(x.float()).type_as(x) * self.weight`, `_norm` =
+# `x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`): per element, the fp32 copy (read 2, write 4),
+# pow (4, 4), mean (read 4), the multiply by the rsqrt (4, 4), the cast back (4, 2) and the weight (2, 2):
+# 36 bytes where one fused norm kernel moves 4, twice per layer: 64 more forward. Its SwiGLU
+# `F.silu(w1(x)) * w3(x)` runs silu (read 2, write 2) and the product (read 4, write 2): 10 bytes per f-wide
+# element where a fused silu-and-multiply moves 6: 4 f/h more. Backward, as every element-wise pass here,
+# about twice the forward.
+EAGER_NORM_EXTRA_BYTES = 64.0
+EAGER_GATED_EXTRA_BYTES_PER_FFN_RATIO = 4.0
 # Vocab-parallel cross entropy on fp32 logits: ~14 bytes per logit forward, as much backward.
 CROSS_ENTROPY_BYTES_PER_LOGIT = 28
 
@@ -286,19 +296,23 @@ def attention_core_times_s(model: ModelSpec, micro_batch, tp, device: Device, pe
 
 
 def layer_elementwise_times_s(model: ModelSpec, micro_batch, tp, sequence_parallel, device: Device,
-                              rope_bytes: float = ROPE_BYTES_FUSED):
+                              rope_bytes: float = ROPE_BYTES_FUSED, fused: bool = True):
     """(forward, backward) seconds of the memory-bound ops around the GEMMs of one layer.
 
     Without sequence parallelism the layer norms, dropouts and residual adds
     run on the full activation on every tensor-parallel rank; with it each
     rank handles 1/tp of the sequence (Korthikanti et al. 2022). A model without learned positions
-    rotates its queries and keys (`rope_bytes` per element each way; the rank's heads: / tp).
+    rotates its queries and keys (`rope_bytes` per element each way; the rank's heads: / tp). `fused` False:
+    eager norms and SwiGLU (EAGER_NORM_EXTRA_BYTES, EAGER_GATED_EXTRA_BYTES_PER_FFN_RATIO).
     """
     tp = np.asarray(tp, dtype=float)
     elements = np.asarray(micro_batch, dtype=float) * model.seq * model.hidden * (model.activation_bytes / 2)
-    replicated = ELEMENTWISE_REPLICATED_BYTES * elements / np.where(np.asarray(sequence_parallel), tp, 1.0)
+    replicated_bytes = ELEMENTWISE_REPLICATED_BYTES + (0.0 if fused else EAGER_NORM_EXTRA_BYTES)
+    replicated = replicated_bytes * elements / np.where(np.asarray(sequence_parallel), tp, 1.0)
     # GeLU reads and writes f wide (4 bytes per f/h); SwiGLU reads two and writes one (6)
     per_ratio = ELEMENTWISE_MLP_BYTES_PER_FFN_RATIO + (2 if model.gated_mlp else 0)
+    if model.gated_mlp and not fused:
+        per_ratio += EAGER_GATED_EXTRA_BYTES_PER_FFN_RATIO
     mlp = per_ratio * (model.ffn / model.hidden) * elements / tp
     if model.is_moe:  # activations of top_k x load copies of each token; permute in and out (read + write each)
         routed = model.top_k * model.expert_load

@@ -57,6 +57,7 @@ class ConfigArrays:
     ep: np.ndarray | None = None
     grad_reduce_bytes: float = 2.0  # bytes per gradient element the data-parallel reductions carry
     fused_rope: bool = True  # rotary embedding in one fused kernel (False: eager PyTorch's three passes)
+    fused_elementwise: bool = True  # norms and SwiGLU in fused kernels (False: torchtitan's eager passes)
 
     def __post_init__(self) -> None:
         ones = np.ones(len(self.tp), dtype=int)
@@ -84,7 +85,7 @@ class ConfigArrays:
                    overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
                    fused_grad_accumulation=first.fused_grad_accumulation,
                    cp=col(lambda s: s.cp), ep=col(lambda s: s.ep), grad_reduce_bytes=first.grad_reduce_bytes,
-                   fused_rope=first.fused_rope)
+                   fused_rope=first.fused_rope, fused_elementwise=first.fused_elementwise)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -105,7 +106,7 @@ class ConfigArrays:
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
                             bucket_mb=self.bucket_mb, fused_grad_accumulation=self.fused_grad_accumulation,
                             cp=int(self.cp[i]), ep=int(self.ep[i]), grad_reduce_bytes=int(self.grad_reduce_bytes),
-                            fused_rope=self.fused_rope)
+                            fused_rope=self.fused_rope, fused_elementwise=self.fused_elementwise)
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
@@ -202,7 +203,7 @@ def _distinct_sizes(model: ModelSpec, c: ConfigArrays) -> tuple["_Shape", np.nda
 
 
 def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: float,
-                    rope_bytes: float = compute.ROPE_BYTES_FUSED):
+                    rope_bytes: float = compute.ROPE_BYTES_FUSED, fused: bool = True):
     """(layer forward, layer backward, attention forward, embedding f/b, logits f/b) for one micro-batch.
 
     `b` is the rank's share in whole sequences (micro-batch / cp): under context parallelism each rank
@@ -212,7 +213,7 @@ def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: floa
     dev = cluster.device
     gemm_f, gemm_b = compute.layer_gemm_times_s(model, b, t, dev, peak, ep)
     attn_f, attn_b = compute.attention_core_times_s(model, b, t, dev, peak)
-    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp.astype(bool), dev, rope_bytes)
+    elem_f, elem_b = compute.layer_elementwise_times_s(model, b, t, sp.astype(bool), dev, rope_bytes, fused)
     gap_f, gap_b = compute.kernel_gaps_s(dev)
     emb_f, emb_b = compute.embedding_times_s(model, b, dev)
     out_f, out_b = compute.output_layer_times_s(model, b, t, dev, peak)
@@ -221,11 +222,11 @@ def _kernel_times_s(model: ModelSpec, cluster: Cluster, b, t, sp, ep, peak: floa
 
 
 def _layer_times_s(model: ModelSpec, cluster: Cluster, x: _Shape, peak: float,
-                   rope_bytes: float = compute.ROPE_BYTES_FUSED):
+                   rope_bytes: float = compute.ROPE_BYTES_FUSED, fused: bool = True):
     """(forward, backward, recomputed, attention core f/b, embedding f/b, logits f/b) seconds, one micro-batch, one GPU,
     no communication; a layer's recomputation re-runs its forward (full) or its attention core (selective)."""
     forward, backward, attn_f, attn_b, emb_f, emb_b, out_f, out_b = _per_distinct(
-        lambda b, cp, t, sp, ep: _kernel_times_s(model, cluster, b / cp, t, sp, ep, peak, rope_bytes),
+        lambda b, cp, t, sp, ep: _kernel_times_s(model, cluster, b / cp, t, sp, ep, peak, rope_bytes, fused),
         x.b, x.c, x.t, x.sp, x.e)
     recomputed = np.where(x.recompute == 2, forward, np.where(x.recompute == 1, attn_f, 0.0))
     return forward, backward, recomputed, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b)
@@ -414,7 +415,8 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
 
     # -- per micro-batch, per stage: compute, tensor-parallel collectives, pipeline sends
     layer_f, layer_b, layer_recompute, (attn_f, attn_b), (emb_f, emb_b), (out_f, out_b) = _layer_times_s(
-        model, cluster, x, peak, compute.ROPE_BYTES_FUSED if c.fused_rope else compute.ROPE_BYTES_EAGER)
+        model, cluster, x, peak, compute.ROPE_BYTES_FUSED if c.fused_rope else compute.ROPE_BYTES_EAGER,
+        c.fused_elementwise)
     first_compute_f = lps * layer_f + emb_f + extra_on_single(out_f)
     first_compute_b = lps * (layer_b + layer_recompute) + emb_b + extra_on_single(out_b)
     last_compute_f = lps * layer_f + out_f + extra_on_single(emb_f)

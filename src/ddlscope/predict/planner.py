@@ -115,7 +115,7 @@ def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigAr
 def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "time", spot: bool = False,
          max_micro_batch: int = MAX_MICRO_BATCH, overlap_grad_reduce: bool = True,
          fused_grad_accumulation: bool = False, stack: Stack | None = None,
-         grad_reduce_bytes: int = 2, fused_rope: bool = True) -> PlanResult:
+         grad_reduce_bytes: int = 2, fused_rope: bool = True, fused_elementwise: bool = True) -> PlanResult:
     """The `top` fastest (or cheapest per step) configurations that fit, each with why it beats the next.
 
     Ranking by cost also tries every smaller whole number of nodes that divides
@@ -147,6 +147,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
                                                  configs.sequence_parallel, configs.interleave, configs.schedule))
         configs.overlap_grad_reduce, configs.fused_grad_accumulation = overlap_grad_reduce, fused_grad_accumulation
         configs.grad_reduce_bytes, configs.fused_rope = grad_reduce_bytes, fused_rope
+        configs.fused_elementwise = fused_elementwise
         if len(configs):
             scored.append((sub, configs, evaluate(model, sub, configs)))
             evaluated += len(configs)

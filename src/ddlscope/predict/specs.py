@@ -160,6 +160,7 @@ class ParallelSpec:
     gradients as computed; 4: reduced in fp32, as FSDP2 under torchtitan's default reduce dtype, with
     FSDP's copy of each unit's 16-bit gradients into the fp32 reduce-scatter buffer).
     `fused_rope`: a rotary model's query/key rotation in one fused kernel (False: eager PyTorch's three passes).
+    `fused_elementwise`: norms and SwiGLU in fused kernels (False: torchtitan's eager RMSNorm and SwiGLU passes).
     """
 
     tp: int = 1
@@ -178,6 +179,7 @@ class ParallelSpec:
     fused_grad_accumulation: bool = False
     grad_reduce_bytes: int = 2
     fused_rope: bool = True
+    fused_elementwise: bool = True
 
     @property
     def gpus(self) -> int:
