@@ -200,9 +200,10 @@ def test_fp32_gradient_reduction_doubles_fsdp_reduce_scatter_bytes_and_adds_the_
     m2, p2, c2 = with_stack(stack, model13, ParallelSpec(dp=64, micro_batch=1), cluster, given={"grad_reduce_bytes"})
     fp32_step, bf16_step = predict(m, p, c), predict(m2, p2, c2)
     assert fp32_step.breakdown_s["zero_comm"] > bf16_step.breakdown_s["zero_comm"]
-    # micro-batch 1: a layer's backward (~3 ms) is shorter than its gather plus the fp32 reduce-scatter and copy,
-    # so the extra bytes show: 1.29x the step measured (2.78 s against 2.15 s)
-    assert 1.2 < fp32_step.step_time_s / bf16_step.step_time_s < 1.4
+    # micro-batch 1: a layer's backward is shorter than its gather plus the fp32 reduce-scatter and copy, so the
+    # extra bytes show: 1.21x the step measured (2.87 s against 2.37 s, both with torchtitan's eager norms;
+    # 1.29x with fused ones, docs/predict.md)
+    assert 1.15 < fp32_step.step_time_s / bf16_step.step_time_s < 1.3
 
 
 @pytest.mark.parametrize("fused,per_element", [(True, 4.0), (False, 20.0)])
