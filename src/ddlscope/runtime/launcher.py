@@ -411,9 +411,11 @@ def _rank_entry(environment: dict[str, str], threads: int, launcher_pid: int, en
     _die_with(launcher_pid)
     try:
         return entrypoint(*args)
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit, Exception):
+        # torch's spawn wrapper records an Exception quietly (its error file; the traceback to the agent,
+        # not printed: `ddlscope launch`'s ranks write to the user's terminal)
         raise
-    except BaseException as exc:  # torch's CheckpointException is a BaseException
+    except BaseException as exc:  # torch's CheckpointException is a BaseException, which that wrapper lets out
         _fail_quietly(exc)
 
 
