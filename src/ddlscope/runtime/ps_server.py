@@ -134,7 +134,7 @@ class _Server:
     def _restore(self) -> None:
         if self.checkpointer is None:
             return
-        found = latest_checkpoint(self.checkpointer.root, self.ctx.experiment)
+        found = latest_checkpoint(self.checkpointer.root, self.ctx.experiment, key=self.checkpointer.key or None)
         if found is None:
             return
         state = load_trusted(found.folder / f"server-{self.index}.pt")
