@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import sys
 from pathlib import Path
 
@@ -213,6 +214,11 @@ CASES: dict[str, tuple[list[str], str]] = {
     "run-db-is-folder": (["run", "--db", "dir.db"], "dir.db"),
     "show-db-garbage": (["show", "1", "--db", "garbage.db"], "garbage.db"),
     "show-db-missing": (["show", "1", "--db", "none.db"], "none.db"),
+    # another program's SQLite database, a named pipe, a device: refused before anything is written or read
+    "runs-db-foreign-sqlite": (["runs", "--db", "foreign.db"], "foreign.db"),
+    "run-db-foreign-sqlite": (["run", "--db", "foreign.db"], "foreign.db"),
+    "runs-db-fifo": (["runs", "--db", "fifo.db"], "fifo.db"),
+    "runs-db-dev-null": (["runs", "--db", "/dev/null"], "/dev/null"),
     # ---- runs / show / export / trace / scaling
     "runs-limit-negative": (["runs", "--limit", "-1", "--db", "s.db"], "--limit"),
     "show-unknown-run": (["show", "42", "--db", "s.db"], "'42'"),
@@ -228,6 +234,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "report-unknown-run": (["report", "99", "--db", "s.db"], "'99'"),
     "report-missing-folder": (["report", "1", "-o", "missing/r.html", "--db", "s.db"], "missing"),
     "report-output-is-folder": (["report", "1", "-o", "dir.db", "--db", "s.db"], "dir.db"),
+    "report-output-device": (["report", "1", "-o", "null-device", "--db", "s.db"], "null-device"),
+    "export-output-device": (["export", "1", "-o", "null-device", "--db", "s.db"], "null-device"),
     "report-no-store": (["report", "1"], "no store"),
     # ---- import-trace (traces-* folders: see _make_traces)
     "import-trace-missing-folder": (["import-trace", "nope", "--db", "s.db"], "nope"),
@@ -455,6 +463,12 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "garbage.json").write_bytes(b"\x00\x01garbage{")
     (tmp_path / "garbage.db").write_bytes(b"not a database, just bytes " * 100)
     (tmp_path / "dir.db").mkdir()
+    with sqlite3.connect(tmp_path / "foreign.db") as foreign:  # another program's database, with a `runs` table
+        foreign.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, who TEXT)")
+    foreign.close()
+    os.mkfifo(tmp_path / "fifo.db")
+    # a character device like /dev/null, made here (as root) so that a regression replaces this node, not /dev/null
+    os.mknod(tmp_path / "null-device", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     (tmp_path / READ_ONLY).mkdir(mode=0o555)
     os.mkfifo(tmp_path / "fifo.toml")
     (tmp_path / "loop.toml").symlink_to("loop.toml")
