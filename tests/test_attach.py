@@ -238,3 +238,24 @@ def test_a_stopped_rank_of_a_launched_script_is_named_by_the_watchdog(tmp_path: 
     with sqlite3.connect(tmp_path / "ddlscope.db") as conn:
         status, error = conn.execute("SELECT status, error FROM runs").fetchone()
     assert status == "failed" and "rank 1" in error
+
+
+def test_launch_keeps_the_rows_when_another_store_was_renamed_over_its_own(tmp_path: Path) -> None:
+    """`ddlscope launch` opens the store again by path when the job ends: a store renamed over it meanwhile
+    holds another run under that id, which must not receive this run's rows; the folder stays and is named."""
+    from ddlscope.runtime.rows import run_dir_for
+    from ddlscope.runtime.script import _store
+    from ddlscope.store import Store, StoreError
+
+    db = tmp_path / "ddlscope.db"
+    with Store(db) as other:  # the store now at the path: its run 1 is somebody else's
+        other.create_run(uuid="f" * 32, name="other", workload="w", strategy="s", world_size=1, config={},
+                         code_version="x", seed=0, environment={})
+    run_dir = run_dir_for(db, "a" * 32)
+    run_dir.mkdir(parents=True)
+    (run_dir / "rank-0.jsonl").write_text("")
+    with pytest.raises(StoreError, match=f"kept in {run_dir}"):
+        _store(db, 1, run_dir, 1, "finished", None, None)
+    assert run_dir.is_dir()
+    with Store(db) as other:
+        assert other.get_run(1).status != "finished" and other.count_steps(1) == 0

@@ -34,7 +34,7 @@ from ddlscope.runtime.launcher import (
 from ddlscope.runtime.rows import done_pids, ingest_run_dir, rank_file, read_records, run_dir_for
 from ddlscope.runtime.sinks import SinkChoice, run_label
 from ddlscope.specs import ConfigError
-from ddlscope.store import Store
+from ddlscope.store import Store, StoreError
 
 
 @dataclass
@@ -186,9 +186,23 @@ def _attached_description(path: Path) -> dict[str, Any] | None:
     return None
 
 
+def _refuse_another_store(store: Store, run_id: int, run_dir: Path) -> None:
+    """The store is opened again by path once the job ends: one renamed over it meanwhile would take the
+    rows under another run's id. The run's folder is named by its uuid, which the run row must carry."""
+    try:
+        same = store.get_run(run_id).uuid == run_dir.name
+    except StoreError:
+        same = False
+    if not same:
+        raise StoreError(f"store {store.path.resolve()} was replaced during run {run_id}: it is not the store the run "
+                         f"was created in, so its rows were not stored there; they are kept in {run_dir} "
+                         "(rank-*.jsonl)")
+
+
 def _store(store_path: Path, run_id: int, run_dir: Path, nprocs: int, status: str, error: str | None,
            hang: str | None) -> ScriptResult:
     with Store(store_path) as store:
+        _refuse_another_store(store, run_id, run_dir)
         rows = ingest_run_dir(store, run_id, run_dir)
         closed = len(done_pids(run_dir))
         if status == "finished" and closed < nprocs:
