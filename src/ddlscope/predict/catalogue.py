@@ -127,6 +127,9 @@ class Cluster:
     # The lowest share of a prediction's throughput a published training run reached (catalogue.toml
     # [validation]): the slow end of the "stack range". None where nothing was validated (`local`).
     published_share_low: float | None = None
+    # under a named stack's published figure: that stack's runs' [lowest, highest] share of the prediction
+    # (Stack.validated_share); set by predictor.with_stack, and then the stack range comes from it alone
+    stack_share: tuple[float, float] | None = None
 
     @property
     def n_gpus(self) -> int:
@@ -182,6 +185,10 @@ class Stack:
     figure_run: str = ""  # the one published run the figure comes from
     figure_source: str = ""  # where that run is published
     figure_device: str = ""  # the catalogue device that run used
+    # validation, not a model constant: the lowest and highest published / predicted throughput among the
+    # stack's published runs at its figure (benchmarks/published_runs.py); a prediction under the stack gives
+    # its `stack_range` from them. None: fewer than two runs, nothing validated.
+    validated_share: tuple[float, float] | None = None
     overlap_grad_reduce: bool | None = None
     fused_grad_accumulation: bool | None = None
     grad_reduce_bytes: int | None = None  # 4: gradients reduced in fp32 (FSDP2's reduce dtype under torchtitan)
@@ -317,7 +324,7 @@ _STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduc
 
 def _stack(key: str, d: dict[str, Any], devices: dict[str, Device]) -> Stack:
     unknown = set(d) - {"description", "sustained_fraction", "figure_run", "figure_source", "figure_device",
-                        "zero_stages", *_STACK_SWITCHES}
+                        "validated_share", "zero_stages", *_STACK_SWITCHES}
     if unknown:
         raise CatalogueError(f"stacks.{key}: unknown keys {sorted(unknown)}")
     figure = d.get("sustained_fraction")
@@ -334,6 +341,9 @@ def _stack(key: str, d: dict[str, Any], devices: dict[str, Device]) -> Stack:
         raise CatalogueError(f"stacks.{key}: grad_reduce_bytes = {d['grad_reduce_bytes']!r}: allowed: 2, 4")
     if d.get("attention") not in (None, "flash", "unfused"):
         raise CatalogueError(f"stacks.{key}: attention = {d['attention']!r}: allowed: flash, unfused")
+    share = d.get("validated_share")
+    if share is not None and (figure is None or len(share) != 2 or not 0 < share[0] <= share[1]):
+        raise CatalogueError(f"stacks.{key}: validated_share = {share!r}: [low, high] of a stack with a figure")
     stages = tuple(int(z) for z in d.get("zero_stages", (0, 1, 2, 3)))
     if not stages or not set(stages) <= {0, 1, 2, 3}:
         raise CatalogueError(f"stacks.{key}: zero_stages = {list(stages)}: a non-empty list of 0-3")
@@ -341,6 +351,7 @@ def _stack(key: str, d: dict[str, Any], devices: dict[str, Device]) -> Stack:
                  sustained_fraction=None if figure is None else float(figure),
                  figure_run=d.get("figure_run", ""), figure_source=d.get("figure_source", ""),
                  figure_device=d.get("figure_device", ""), zero_stages=stages,
+                 validated_share=None if share is None else (float(share[0]), float(share[1])),
                  **{k: d[k] for k in _STACK_SWITCHES if k in d})
 
 

@@ -140,7 +140,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
         # a smaller cluster of the same nodes keeps the device as given (a stack's or the user's figure)
         sub = cluster if nodes == cluster.nodes else replace(
             make_cluster(cluster.name, nodes, cluster.gpus_per_node), device=cluster.device,
-            published_share_low=cluster.published_share_low)
+            published_share_low=cluster.published_share_low, stack_share=cluster.stack_share)
         configs = candidate_configs(model, sub, max_micro_batch)
         if stack is not None:
             configs = configs.take(stack.allowed(configs.tp, configs.pp, configs.cp, configs.zero, configs.recompute,

@@ -115,7 +115,8 @@ def with_stack(stack: Stack, model: ModelSpec, parallel: ParallelSpec, cluster: 
     if why:
         raise ConfigError(why)
     if figure and stack.has_figure:
-        cluster = cluster.with_sustained_fraction(stack.sustained_fraction)
+        cluster = replace(cluster.with_sustained_fraction(stack.sustained_fraction), stack_share=stack.validated_share,
+                          published_share_low=None)
     return model, parallel, cluster
 
 
@@ -150,7 +151,14 @@ def stack_range(prediction: Prediction, cluster: Cluster) -> dict[str, list[floa
     The fast end is `range`'s (every kernel at the fast end of its sources); the slow end is the
     prediction's throughput times the lowest share of it a published training run reached
     (`cluster.published_share_low`): how much slower than the sum of its kernels a real stack has run.
-    Empty where nothing was validated."""
+    Under a named stack's published figure the range is that stack's own runs' spread around the prediction
+    (`cluster.stack_share`: the lowest and highest published / predicted share among them); empty where
+    nothing was validated (a stack with one run)."""
+    if cluster.stack_share is not None and prediction.range:
+        low, high = cluster.stack_share
+        return {"step_time_s": [prediction.step_time_s / high, prediction.step_time_s / low],
+                "tflops_per_gpu": [prediction.tflops_per_gpu * low, prediction.tflops_per_gpu * high],
+                "mfu": [prediction.mfu * low, prediction.mfu * high]}
     share = cluster.published_share_low
     if share is None or not prediction.range:
         return {}
