@@ -476,9 +476,9 @@ def calibrated_mode(console: Console, args: argparse.Namespace) -> None:
         if row.runs > 1:
             figure = get_stack(name).sustained_fraction
             shares = [r.published / fast_metric(r, figure) for r in STACKS[name]]
-            console.print(f"  {name}: published / predicted at the catalogue's figure {min(shares):.4f}-{max(shares):.4f} "
-                          f"(catalogue.toml validated_share: {get_stack(name).validated_share})", markup=False,
-                          highlight=False)
+            console.print(f"  {name}: published / predicted at the catalogue's figure "
+                          f"{min(shares):.4f}-{max(shares):.4f} (catalogue.toml validated_share: "
+                          f"{get_stack(name).validated_share})", markup=False, highlight=False)
             mean, bias, worst = row.stats(row.errors)
             bar = "meets" if mean <= 0.05 and abs(bias) <= 0.03 else "does NOT meet"
             console.print(f"  {name}: leave-one-out mean |error| {mean:.1%}, bias {bias:+.1%}, worst {worst:+.1%}: "

@@ -257,7 +257,8 @@ def test_eager_norms_and_swiglu_are_priced_at_their_passes_bytes():
     assert float(eager[1]) - float(fused[1]) == pytest.approx(2 * forward, rel=1e-9)
     _, parallel, _ = with_stack(get_stack("torchtitan-2024"), llama, ParallelSpec(dp=8), parse_cluster("h100:1x8"))
     assert parallel.fused_elementwise is False
-    through = [predict(llama, ParallelSpec(dp=8, fused_elementwise=f), parse_cluster("h100:1x8")) for f in (False, True)]
+    through = [predict(llama, ParallelSpec(dp=8, fused_elementwise=f), parse_cluster("h100:1x8"))
+               for f in (False, True)]
     assert through[0].breakdown_s["compute"] - through[1].breakdown_s["compute"] == pytest.approx(32 * 3 * forward,
                                                                                                  rel=1e-9)
 
