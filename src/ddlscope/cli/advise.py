@@ -29,7 +29,7 @@ def advise_command(
         "--sustained-fraction", help="Scale the published kernel rates by what your stack sustains (catalogue: "
                                      "1; see `ddlscope predict --measured-step-s`).")] = None,
     stack: Annotated[Optional[str], typer.Option(
-        "--stack", help="A named software stack (catalogue.toml [stacks]; default ideal, today's kernel ceiling): "
+        "--stack", help="A named software stack (catalogue.toml \\[stacks]; default ideal, today's kernel ceiling): "
                         "its one efficiency figure, from one named published run, scales the kernel rates; "
                         "--sustained-fraction replaces it with your own.")] = None,
     workload: Annotated[Optional[str], typer.Option("--workload", "-w", help="Workload name (overrides the file).")] = None,

@@ -112,7 +112,7 @@ FusedGradAccumulationOpt = Annotated[Optional[bool], typer.Option(
 PredictDbOpt = Annotated[Path, db_option("The store (for --against, and calibrations).")]
 PlanDbOpt = Annotated[Path, db_option("The store (for calibrations).")]
 StackOpt = Annotated[Optional[str], typer.Option(
-    "--stack", help="A named software stack (catalogue.toml [stacks]): ideal (default: today's kernel ceiling), "
+    "--stack", help="A named software stack (catalogue.toml \\[stacks]): ideal (default: today's kernel ceiling), "
                     "megatron-lm-2021, megatron-lm-2022, deepspeed-megatron-2021, megatron-deepspeed-2022, "
                     "llm-foundry-2023, torchtitan-2024. It sets the switches you leave unset (gradient overlap, "
                     "fused accumulation, ZeRO stage, attention kernel), refuses layouts its code cannot run, and "
