@@ -5,6 +5,7 @@ A configuration for predict and plan comes from flags, from a TOML file, or both
 
     cluster = "a100-80gb:280x8"
     spot = false                  # price with spot instead of on-demand rates
+    stack = "ideal"               # a named software stack (catalogue.toml [stacks]); --stack wins
     [model]
     name = "gpt"
     hidden = 20480
