@@ -41,11 +41,15 @@ TIE_TOLERANCE = 0.03
 def candidates(exp: Experiment) -> list[StrategySpec]:
     """Every registered multi-process strategy that can train the experiment's workload, simplest first:
     the experiment's own with its knobs, the others with their defaults. Federated strategies are not
-    offered for another's place: they answer where the data must stay, not how to train fastest."""
+    offered for another's place: they answer where the data must stay, not how to train fastest. Each is
+    checked on at least 2 ranks (advise's own experiment has 1: it runs nothing), so that one that needs a
+    neighbour (gossip) is not refused; a layout the target cluster cannot run is priced, with its reason."""
     mine = type(exp.strategy)
     specs = [exp.strategy if cls is mine else cls() for cls in strategy_specs()
              if not cls.traits.single_process and (cls is mine or cls.traits.family != "federated")]
-    return [spec for spec in specs if spec is exp.strategy or _can_train(spec, exp)]
+    ranks = max(2, exp.cluster.world_size)
+    multi = exp.model_copy(update={"cluster": exp.cluster.model_copy(update={"world_size": ranks})})
+    return [spec for spec in specs if spec is exp.strategy or _can_train(spec, multi)]
 
 
 def _can_train(spec: StrategySpec, exp: Experiment) -> bool:
