@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddlscope.store import Store
+from ddlscope.store import OutputError, Store
 
 pytest.importorskip("matplotlib")
 
@@ -212,7 +212,7 @@ def test_write_report_is_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="disk full"):  # one line for the user, not a traceback
         write_report("<p>two</p>", path)
     assert path.read_text() == "<p>one</p>"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]  # no temp file left behind
