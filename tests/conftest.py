@@ -29,6 +29,39 @@ def run_cli(*args: str, cwd: Path, timeout_s: float = 240, columns: int = 200) -
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+def run_cli_here(*args: str, cwd: Path, columns: int = 200) -> CliResult:
+    """`ddlscope ARGS` in this process, from `cwd`: the same exit status, standard output and error as
+    run_cli, for tests that need no process of their own. The second and later runs reuse this process's
+    imports and rank fork server: a short run takes ~2 s here instead of ~9 s in a fresh process."""
+    import contextlib
+    import io
+
+    from ddlscope.cli import main
+    from ddlscope.cli.common import console, err_console
+
+    out, err = io.StringIO(), io.StringIO()
+    widths = console._width, err_console._width  # rich keeps the width it read from COLUMNS at import
+    here = os.getcwd()
+    try:
+        os.chdir(cwd)
+        console.width = err_console.width = columns
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(here)
+        console._width, err_console._width = widths
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def cli_here(tmp_path: Path):
+    """run_cli_here from the test's own folder."""
+    def call(*args: str, timeout_s: float = 240) -> CliResult:  # noqa: ARG001 (the test's own timeout applies)
+        return run_cli_here(*args, cwd=tmp_path)
+
+    return call
+
+
 @pytest.fixture
 def cli(tmp_path: Path):
     def call(*args: str, timeout_s: float = 240) -> CliResult:

@@ -36,6 +36,12 @@ CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {  # label: (overrides, sequen
 }
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def train_all(out_dir: str) -> dict[str, Any]:
     """One rank: every configuration in turn; returns its final models and its rows (a server: its updates)."""
     import torch.distributed as dist

@@ -13,6 +13,12 @@ import pytest
 from ddlscope.predict.partition import Layer, partition, plan_of_cuts, stage_cost
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def _brute_force(layers: list[Layer], stages: int, m: int, limit: float, schedule: str) -> float:
     """The smallest slowest-stage time over every cut set and every per-stage recompute choice."""
     best = math.inf

@@ -32,6 +32,12 @@ SMALL = {"torchvision:resnet18": IMAGE, "torchvision:shufflenet_v2_x0_5": IMAGE,
 REFUSED = {"hf:bert": TEXT}  # not a chain to cut, but a model to build
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def _exp(name: str, **extra):
     return load_experiment(None, {"workload.name": name, **{**SMALL, **REFUSED}.get(name, IMAGE), **extra})
 

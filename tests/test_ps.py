@@ -13,6 +13,12 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 6
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def _train(cli, tmp_path, strategy: str, out: str, *extra: str) -> dict:
     result = cli("run", "--workload", "mlp-digits", "--strategy", strategy, "--world-size", "2",
                  "--steps", str(STEPS), "--batch-size", "32", "--seed", "5", "--set", "workload.lr=0.2",

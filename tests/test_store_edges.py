@@ -209,7 +209,8 @@ def _rank_with_stderr_in(log: Path, error_file: Path) -> None:
 
     # torch puts the console back as stderr before multiprocessing prints what escaped: here both go to `log`
     sys.stderr = open(log, "w", buffering=1)
-    _rank_entry({**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}, 1, os.getppid(), _raise_like_dcp)
+    _rank_entry({**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}, 1, os.getppid(), os.getcwd(),
+                _raise_like_dcp)
 
 
 @pytest.mark.timeout(60)

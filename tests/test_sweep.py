@@ -16,6 +16,12 @@ from ddlscope.studies.sweep import load_sweep
 TINY_WORKLOAD = 'workload = { name = "mlp-digits", steps = 3, batch_size = 32 }'
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def _sweep(tmp_path, text: str, name: str = "sweep.toml"):
     path = tmp_path / name
     path.write_text(text)

@@ -18,6 +18,12 @@ from ddlscope.workloads.vision import ResnetCifarSpec, VggCifarSpec, _generate_s
 SMALL = {"samples": 4000, "test_samples": 1000}
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def build(name: str, seed: int = 0, **knobs: object) -> Task:
     workload = WORKLOADS.get(name)
     return workload.build(workload.spec_class(**knobs), seed)

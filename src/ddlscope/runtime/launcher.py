@@ -389,17 +389,21 @@ def launch_processes(entrypoint: Callable[..., Any], args: Sequence[Any], nprocs
             local_addr=None if rdzv_endpoint else LOOPBACK,
             **({"logs_specs": DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL)} if log_dir else {}))
         multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the server runs
-        return elastic_launch(config, _rank_entry)(dict(os.environ), threads_per_rank, os.getpid(), entrypoint, *args)
+        return elastic_launch(config, _rank_entry)(dict(os.environ), threads_per_rank, os.getpid(), os.getcwd(),
+                                                   entrypoint, *args)
 
 
-def _rank_entry(environment: dict[str, str], threads: int, launcher_pid: int, entrypoint: Callable[..., Any],
-                *args: Any) -> Any:
-    """A rank's first call: the launcher's environment as of the launch, then `entrypoint(*args)`.
+def _rank_entry(environment: dict[str, str], threads: int, launcher_pid: int, cwd: str,
+                entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """A rank's first call: the launcher's environment and working folder as of the launch, then
+    `entrypoint(*args)`.
 
-    A forked rank inherits the fork server's environment, taken when the server started (the first
-    launch of this process), not this launch's. The agent's own variables (RANK, MASTER_PORT, ...)
-    are those that differ from the server's; everything else comes from the launcher. The thread
-    count is set again because OpenMP read OMP_NUM_THREADS when the server imported torch.
+    A forked rank inherits the fork server's environment and folder, taken when the server started (the
+    first launch of this process), not this launch's: a study, a test or your own code that launches
+    again after changing folder would find relative paths (a checkpoint_dir, a script's data) beside the
+    first launch's. The agent's own variables (RANK, MASTER_PORT, ...) are those that differ from the
+    server's; everything else comes from the launcher. The thread count is set again because OpenMP read
+    OMP_NUM_THREADS when the server imported torch.
     """
     import torch
 
@@ -407,6 +411,7 @@ def _rank_entry(environment: dict[str, str], threads: int, launcher_pid: int, en
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(set_by_agent)
+    os.chdir(cwd)
     torch.set_num_threads(threads)
     _die_with(launcher_pid)
     try:
