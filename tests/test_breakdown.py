@@ -12,12 +12,6 @@ GPT = ["--workload", "gpt-char", "--strategy", "ddp", "--world-size", "2", "--st
        "--set", "strategy.bucket_mb=0.25", "--quiet", "--json"]
 
 
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
-
-
 def _summary(cli, *extra):
     result = cli("run", *GPT, *extra, timeout_s=180)
     assert result.returncode == 0, result.stderr
