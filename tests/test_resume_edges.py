@@ -31,7 +31,7 @@ from ddlscope.cli import main
 from ddlscope.runtime.checkpoint import (CheckpointError, experiment_digest, latest_checkpoint, partial_dir, rng_state,
                                          run_key, seal, set_rng_state, step_dir, write_atomically)
 from ddlscope.runtime.config import experiment_to_dict, load_experiment
-from ddlscope.runtime.heartbeat import Heartbeat, Watchdog, heartbeat_file, read_beat
+from ddlscope.runtime.heartbeat import Heartbeat, Watchdog, heartbeat_file, process_state, read_beat
 from ddlscope.runtime.launcher import ExitReaper, _open_run, fresh_launch_dir, kill_ranks
 from ddlscope.runtime.recovery import RunLocked, hold_run_lock, recover_orphaned_runs
 from ddlscope.runtime.rows import leave_done_marker, run_dir_for
@@ -242,10 +242,7 @@ def unrelated_sleep():
 
 
 def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in ("zombie", "gone")
 
 
 def start_ticks(pid: int) -> int:

@@ -38,7 +38,7 @@ import ddlscope
 from ddlscope.runtime.checkpoint import checkpoint_root, complete_steps, latest_checkpoint, run_key
 from ddlscope.runtime.config import experiment_to_dict
 from ddlscope.runtime.emulation import resolve_link
-from ddlscope.runtime.heartbeat import Beat, Watchdog, signal_own_process
+from ddlscope.runtime.heartbeat import Beat, Watchdog, process_state, signal_own_process
 from ddlscope.runtime.netns import ShapedNetwork
 from ddlscope.runtime.rank_server import FORKSERVER_PRELOAD
 from ddlscope.runtime.recovery import hold_run_lock
@@ -605,13 +605,9 @@ class ExitReaper(threading.Thread):
 
 
 def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: assume alive; killing an exited pid is harmless here
-        return True
+    """Alive and not a zombie (an exited child its parent has not reaped yet); without /proc, assumed alive
+    (killing an exited pid is harmless here)."""
+    return process_state(pid) not in ("zombie", "gone")
 
 
 # A rank's events a progress display names its phase by (rank 0's: started, training, done training).
