@@ -6,6 +6,32 @@ from __future__ import annotations
 import pytest
 
 from conftest import SRC
+from test_predict_local import FACTS, PROFILE, _config
+
+from ddlscope.predict.local import predict_local
+
+
+def _comm_s(strategy: str, steps: int | None, world: int = 2, **knobs) -> float:
+    config = _config(strategy, world, **knobs)
+    if steps is not None:
+        config["workload"]["steps"] = steps
+    return predict_local(config, {}, FACTS, PROFILE)["breakdown_s"]["comm_wait_s"]
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "localsgd"])
+def test_model_averages_are_counted_in_the_measured_steps(strategy):
+    """The mean step leaves step 0 out, and the schedule averages after steps 0, P, 2P...: a run of 12
+    steps at period 20 waits for no average in its mean; one of 31 steps for one in 30 steps; a run of
+    unknown length one per period."""
+    period = 20
+    none_s = _comm_s(strategy, 12, period=period)
+    one_in_30_s = _comm_s(strategy, 31, period=period)
+    per_period_s = _comm_s(strategy, None, period=period)
+    per_average_s = (per_period_s - none_s) * period
+    assert per_average_s > 0
+    assert one_in_30_s - none_s == pytest.approx(per_average_s / 30)
+    # two averages (after steps 20 and 40) in the 40 measured steps of a 41-step run: one per period
+    assert _comm_s(strategy, 41, period=period) == pytest.approx(per_period_s)
 
 
 def _benchmark():

@@ -109,7 +109,14 @@ def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[
         per_tensor_s=float(2 * op_s if compute.optimizer_tensor_s is None else compute.optimizer_tensor_s)
         * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2,
         kernel_stretch=side_by_side.get("stretch"),
-        kernel_slowest_wait_s=float(side_by_side.get("slowest_wait_s", 0.0)))
+        kernel_slowest_wait_s=float(side_by_side.get("slowest_wait_s", 0.0)),
+        steps=run_steps(config))
+
+
+def run_steps(config: dict[str, Any]) -> int | None:
+    """The run's workload.steps where the config says it (a stored run's does), else None."""
+    steps = (config.get("workload") or {}).get("steps")
+    return int(steps) if isinstance(steps, (int, float)) and steps >= 1 else None
 
 
 def alone_compute_s(facts: dict[str, Any], compute: Any, op_s: float, mem_bw: float) -> float:

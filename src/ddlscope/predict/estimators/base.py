@@ -49,6 +49,14 @@ class LocalCase:
     per_tensor_s: float  # the optimizer's per-tensor overhead
     kernel_stretch: float | None = None  # the workload's kernels side by side over alone, where timed
     kernel_slowest_wait_s: float = 0.0  # a synchronous step's wait for its slowest rank, from them
+    steps: int | None = None  # the run's steps (workload.steps), where known: the measured mean is over them
+
+    def steady_steps(self) -> range | None:
+        """The steps the run's mean step time is taken over (analysis/summary.py: step 0 is left out when
+        there are others); None where the run's length is not known."""
+        if not self.steps:
+            return None
+        return range(1, self.steps) if self.steps > 1 else range(0, 1)
 
     @property
     def param_bytes(self) -> float:

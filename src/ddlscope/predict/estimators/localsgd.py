@@ -10,7 +10,10 @@ the per-step estimate (they are a fixed number of steps at the start).
 This machine: the average costs the calibrated gloo all-reduce of the
 parameters (or the emulated link's time, if longer), two passes over them
 (flatten, copy back) and one synchronisation wait (the calibrated
-`sync_overhead_s`), once per period.
+`sync_overhead_s`), as often as the run averages within the steps its mean
+step is taken over (step 0 is left out; it averages after step 0, so a
+12-step diloco run of period 20 waits for no average in them: issue 38's
++32%); once per period where the run's length is not known.
 """
 
 from __future__ import annotations
@@ -108,11 +111,21 @@ class ModelAveragingEstimator(Estimator):
             round_compute_s = spec.period * (step.forward_s + step.backward_s + step.zero_grad_s)
             exposed_s = max(all_reduce_s - round_compute_s, 0.0)
         per_average_s = exposed_s + copies_s + local_sync_wait_s(case)
-        comm = LocalComm(per_average_s * spec.averages_per_step(), holds_sync_wait=True)
+        rate = measured_averages_per_step(spec, case)
+        comm = LocalComm(per_average_s * rate, holds_sync_wait=True)
         comm.notes.append(f"{spec.name}: one model all-reduce {all_reduce_s * 1e3:.2f} ms"
                           + (f" ({exposed_s * 1e3:.2f} ms not hidden by the next round)" if self.overlaps(spec) else "")
-                          + f", every {1 / spec.averages_per_step():g} steps")
+                          + (f", every {1 / rate:g} steps" if rate else ", none within the run's measured steps"))
         return comm
+
+
+def measured_averages_per_step(spec: ModelAveragingSpec, case: LocalCase) -> float:
+    """Averages per step within the steps the run's mean is taken over (the spec's schedule played over
+    them); the long-run rate, one per period, where the run's length is not known."""
+    steady = case.steady_steps()
+    if steady is None:
+        return spec.averages_per_step()
+    return sum(1 for step in steady if spec.averages_after(step) is not None) / len(steady)
 
 
 def _compressed_average(est: pst.StrategyEstimate, case: ClusterCase, fraction: float) -> pst.StrategyEstimate:
