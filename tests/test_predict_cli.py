@@ -277,7 +277,8 @@ def test_plan_keeps_the_stacks_gradient_handling_for_every_layout(run, main, tmp
     # a layout whose gradients are all-reduced at the end of the step (ZeRO 0/1 over dp > 1)
     row = next(r for r in ranked if r["parallel"]["zero"] <= 1 and r["parallel"]["dp"] > 1)
     layout = [f"--{k.replace('_', '-')}={v}" for k, v in row["parallel"].items()
-              if k in ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "interleave", "schedule")]
+              if k in ("tp", "cp", "pp", "dp", "micro_batch", "zero", "recompute", "interleave", "schedule")]
+    layout += ["--sequence-parallel"] if row["parallel"]["sequence_parallel"] else []
     waited, overlapped = (run("predict", *extra, *model, *layout, "--json") for extra in ([str(config)], []))
     assert waited.exit_code == 0 and overlapped.exit_code == 0, waited.output + overlapped.output
     assert json.loads(waited.output)["step_time_s"] == pytest.approx(row["step_time_s"], rel=1e-9)

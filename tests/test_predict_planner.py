@@ -152,3 +152,25 @@ def test_plan_only_returns_configurations_within_device_memory():
         used_gb = row.prediction.memory_gb_per_gpu
         assert used_gb <= capacity / 1e9, f"rank {row.rank} needs {used_gb:.1f} GB > {capacity / 1e9:.1f} GB"
     assert result.feasible == np.count_nonzero(memory <= capacity)
+
+
+def test_each_layout_is_shown_once_at_its_best_configuration():
+    """A 1B GPT on one 8-GPU node: each TP x CP x PP x DP layout is one row, the fastest of its configurations
+    (micro-batch, ZeRO, recomputation, SP, interleaving, schedule), and every layout that fits has a row when
+    `top` asks for all of them (the search widens its first slice of ~8 per row until it holds enough)."""
+    model = ModelSpec(hidden=2048, heads=16, layers=24, seq=2048, vocab=51200, global_batch=256)
+    cluster = parse_cluster("h100:1x8")
+    configs = candidate_configs(model, cluster)
+    out = evaluate(model, cluster, configs)
+    best: dict[tuple[int, ...], float] = {}
+    for i in np.flatnonzero(out["fits"]):
+        key = (int(configs.tp[i]), int(configs.cp[i]), int(configs.pp[i]), int(configs.dp[i]))
+        best[key] = min(best.get(key, np.inf), float(out["step_time_s"][i]))
+    assert len(best) > 10 and len(configs) > 100 * len(best)  # many configurations per layout
+    rows = plan(model, cluster, top=100).rows
+    got = {(r.prediction.parallel["tp"], r.prediction.parallel["cp"], r.prediction.parallel["pp"],
+            r.prediction.parallel["dp"]): r.prediction.step_time_s for r in rows}
+    assert len(got) == len(rows) == len(best)
+    assert got == pytest.approx(best, rel=1e-12)
+    every = plan(model, cluster, top=100, distinct_layouts=False).rows
+    assert len(every) == 100 and len({tuple(r.prediction.parallel.values()) for r in every}) == 100

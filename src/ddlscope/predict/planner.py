@@ -115,8 +115,13 @@ def _times_zero_and_recompute(c: ConfigArrays, per_size: np.ndarray) -> ConfigAr
 def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "time", spot: bool = False,
          max_micro_batch: int = MAX_MICRO_BATCH, overlap_grad_reduce: bool = True,
          fused_grad_accumulation: bool = False, stack: Stack | None = None,
-         grad_reduce_bytes: int = 2, fused_rope: bool = True, fused_elementwise: bool = True) -> PlanResult:
+         grad_reduce_bytes: int = 2, fused_rope: bool = True, fused_elementwise: bool = True,
+         distinct_layouts: bool = True) -> PlanResult:
     """The `top` fastest (or cheapest per step) configurations that fit, each with why it beats the next.
+
+    `distinct_layouts` (the default): each layout (TP x CP x PP x DP x EP on a node count) once, at its best
+    micro-batch, ZeRO stage, recomputation, SP, interleaving and schedule: the same split of the cluster at ZeRO
+    1 and ZeRO 0 (a step 0.01 s apart) is one choice to a user, not two rows; `why` then compares layouts.
 
     Ranking by cost also tries every smaller whole number of nodes that divides
     the cluster: fewer GPUs can cost less per step even when each step is slower.
@@ -158,7 +163,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     feasible = int(sum(int(np.count_nonzero(out["fits"])) for _, _, out in scored))
     if not feasible:
         return PlanResult(str(cluster), rank_by, evaluated, 0, search_s)
-    order = _best_first(scored, key, top + 1)
+    order = _best_first(scored, key, top + 1, distinct_layouts)
     rows = []
     for r, (k, i) in enumerate(order[:top]):
         sub, configs, out = scored[k]
@@ -170,8 +175,9 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     return PlanResult(str(cluster), rank_by, evaluated, feasible, search_s, rows)
 
 
-def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
-    """Indices (cluster k, config i) of the `count` best fitting configurations.
+def _best_first(scored, key: str, count: int, distinct_layouts: bool = False) -> list[tuple[int, int]]:
+    """Indices (cluster k, config i) of the `count` best fitting configurations (`distinct_layouts`: the best
+    of each layout, the first `count` layouts).
 
     Equal scores (to 1e-9 relative) go to the one needing less memory, then fewer GPUs, then the
     earlier in the search's order: argpartition's order among equals differs between CPUs (its
@@ -181,13 +187,24 @@ def _best_first(scored, key: str, count: int) -> list[tuple[int, int]]:
     memory = np.concatenate([out["memory_bytes"] for _, _, out in scored])
     owner = np.concatenate([np.full(len(out[key]), k) for k, (_, _, out) in enumerate(scored)])
     local = np.concatenate([np.arange(len(out[key])) for _, _, out in scored])
+    layout = np.stack([owner, *(np.concatenate([getattr(c, name) for _, c, _ in scored]).astype(np.int64)
+                                for name in ("tp", "cp", "pp", "dp", "ep"))], axis=1)
     count = min(count, int(np.isfinite(values).sum()))
-    # take a generous slice by score, then order it with the tie-breaks
+    # take a generous slice by score, then order it with the tie-breaks; a larger one while it holds
+    # fewer than `count` layouts
     pool = min(len(values), count * 8)
-    best = np.argpartition(values, pool - 1)[:pool] if pool < len(values) else np.arange(len(values))
-    rounded = np.round(values[best] / values[best].min(), 9)
-    # whole bytes: sums in another order (another CPU's SIMD path) must not reorder equal layouts
-    best = best[np.lexsort((local[best], owner[best], np.round(memory[best]), rounded))]
+    while True:
+        best = np.argpartition(values, pool - 1)[:pool] if pool < len(values) else np.arange(len(values))
+        best = best[np.isfinite(values[best])]
+        rounded = np.round(values[best] / values[best].min(), 9)
+        # whole bytes: sums in another order (another CPU's SIMD path) must not reorder equal layouts
+        best = best[np.lexsort((local[best], owner[best], np.round(memory[best]), rounded))]
+        if distinct_layouts:  # the first (best) row of each layout, in that order
+            _, first = np.unique(layout[best], axis=0, return_index=True)
+            best = best[np.sort(first)]
+        if len(best) >= count or pool == len(values):
+            break
+        pool = min(len(values), pool * 8)
     return [(int(owner[j]), int(local[j])) for j in best[:count]]
 
 
