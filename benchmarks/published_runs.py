@@ -40,9 +40,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ddlscope.predict import (ModelSpec, ParallelSpec, fit_sustained_fraction, get_stack, parse_cluster, predict,
-                              validate)
+                              validate, with_stack)
 from ddlscope.predict.catalogue import Cluster, load_catalogue
 from ddlscope.predict.model import ConfigArrays, evaluate
+from ddlscope.predict.planner import plan
 from ddlscope.specs import ConfigError
 
 
@@ -336,6 +337,22 @@ def one_run_calibration(stacks: dict[str, list[Run]]) -> tuple[Table, dict[str, 
     return t, out
 
 
+PLANNER_TOP = 10
+
+
+def planner_rank(run: Run) -> int | None:
+    """Where `plan`, under the run's stack on the run's cluster, ranks the run's TP x PP x DP layout (1: first;
+    None: not among its top PLANNER_TOP); the planner shows each layout once."""
+    stack = get_stack(run.stack)
+    model, switches, cluster = with_stack(stack, run.model, ParallelSpec(), parse_cluster(run.cluster), given={"zero"})
+    rows = plan(model, cluster, top=PLANNER_TOP, overlap_grad_reduce=switches.overlap_grad_reduce,
+                fused_grad_accumulation=switches.fused_grad_accumulation, stack=stack,
+                grad_reduce_bytes=switches.grad_reduce_bytes, fused_rope=switches.fused_rope,
+                fused_elementwise=switches.fused_elementwise).rows
+    layouts = [(r.prediction.parallel["tp"], r.prediction.parallel["pp"], r.prediction.parallel["dp"]) for r in rows]
+    return layouts.index((run.tp, run.pp, run.dp)) + 1 if (run.tp, run.pp, run.dp) in layouts else None
+
+
 def predicted(run: Run, sustained: float | None) -> tuple[float, str]:
     """The best fitting configuration's metric among the micro-batches and interleavings allowed."""
     value, chosen, _ = predicted_with_range(run, sustained)
@@ -483,6 +500,11 @@ def calibrated_mode(console: Console, args: argparse.Namespace) -> None:
             bar = "meets" if mean <= 0.05 and abs(bias) <= 0.03 else "does NOT meet"
             console.print(f"  {name}: leave-one-out mean |error| {mean:.1%}, bias {bias:+.1%}, worst {worst:+.1%}: "
                           f"{bar} the bar (mean |error| <= 5%, |bias| <= 3%)", markup=False, highlight=False)
+        run = FIGURE_RUNS[name]
+        rank = planner_rank(run)
+        console.print(f"  {name}: the planner under it on {run.cluster} ranks {run.label}'s TP {run.tp} / PP {run.pp} / "
+                      f"DP {run.dp} " + (f"#{rank}" if rank else f"below its top {PLANNER_TOP}") + " of its layouts",
+                      markup=False, highlight=False)
 
 
 def main() -> int:
