@@ -77,7 +77,8 @@ def facts_key(experiment_config: dict[str, Any]) -> str:
 
 
 def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
-                 backward: Callable[[Any, Any, Any, Any], None] | None = None) -> dict[str, Any]:
+                 backward: Callable[[Any, Any, Any, Any], None] | None = None, device: str = "cpu",
+                 timed_steps: int = KERNEL_TIMED_STEPS) -> dict[str, Any]:
     """Median time of one rank's batch read, forward (with the loss), backward and optimizer step (with
     zero_grad; the workload's optimizer over the whole model), alone in this process with the rank's
     intra-op threads: the workload's own kernels benchmarked on this machine. `backward`: the
@@ -88,32 +89,40 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
     it stands in for the FLOP model where CPU kernels run far from their FLOP or byte rates: a
     convolution's weight gradient, max-pooling with indices and group norm run several times slower
     than the convolution probe's and the copy rate predict (docs/calibrate.md). The distributed part
-    (contention between ranks, turn-taking for cores, communication) stays the model's."""
+    (contention between ranks, turn-taking for cores, communication) stays the model's. On a CUDA
+    `device` (calibrate --model) the batch is read on the CPU and moved, and every time is taken after
+    the device has finished (synchronised)."""
     import torch
 
     from ddlscope.runtime.loop import make_optimizer
 
-    model = copy.deepcopy(task.model).train()  # the task's own model stays untouched
+    model = copy.deepcopy(task.model).to(device).train()  # the task's own model stays untouched
     optimizer = make_optimizer(model, workload)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     ids = torch.arange(per_rank)
     read_s, forward_s, backward_s, optimizer_s = [], [], [], []
+    def now() -> float:
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     try:
-        for i in range(KERNEL_WARMUP_STEPS + KERNEL_TIMED_STEPS):
-            t0 = time.perf_counter()
+        for i in range(KERNEL_WARMUP_STEPS + timed_steps):
+            t0 = now()
             x, y = task.train.get(ids % len(task.train))
-            t1 = time.perf_counter()
+            x, y = x.to(device), y.to(device)
+            t1 = now()
             loss = task.loss_fn(model(x), y)
-            t2 = time.perf_counter()
+            t2 = now()
             if backward is None:
                 loss.backward()
             else:
                 backward(model, task.loss_fn, x, y)
-            t3 = time.perf_counter()
+            t3 = now()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            t4 = time.perf_counter()
+            t4 = now()
             if i >= KERNEL_WARMUP_STEPS:
                 read_s.append(t1 - t0)
                 forward_s.append(t2 - t1)
@@ -123,7 +132,7 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
         torch.set_num_threads(previous_threads)
     median = statistics.median
     return {"data_s": median(read_s), "forward_s": median(forward_s), "backward_s": median(backward_s),
-            "optimizer_s": median(optimizer_s), "steps": KERNEL_TIMED_STEPS, "threads": threads,
+            "optimizer_s": median(optimizer_s), "steps": timed_steps, "threads": threads,
             "strategy_backward": backward is not None,
             "compute_samples_s": [f + b for f, b in zip(forward_s, backward_s)]}  # each timed step's
 

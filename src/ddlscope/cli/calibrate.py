@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ddlscope.cli.common import DEFAULT_DB, console, db_option, json_option, max_ranks_per_node
@@ -21,12 +22,29 @@ from ddlscope.store import Store
 def calibrate(
     world_sizes: Annotated[str, typer.Option("--world-sizes", help="Comma-separated world sizes to measure (3: a parameter server with two workers).")] = "2,3,4",
     quick: Annotated[bool, typer.Option("--quick", help="Fewer sizes and repeats (seconds instead of a minute).")] = False,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Profile TOML to write.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Profile TOML to write (--model: TOML, "
+                                                   "or JSON for a .json path; default ddlscope-model-profile.toml).")] = None,
     db: Annotated[Path, db_option("Store that keeps the profile too (predict-run reads the newest).")] = DEFAULT_DB,
     as_json: Annotated[bool, json_option("Print the profile as one JSON object.")] = False,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", metavar="SOURCE:NAME", help="Profile this model instead (any workload: torchvision:, timm:, "
+        "hf:, module:, or a built-in name): one rank's forward and backward per layer and as a whole step, on "
+        "this device (for `predict --profile`; docs/profile.md).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option(
+        "--set", help="--model: override a field, section.key=value, e.g. workload.hidden=128 (repeatable).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="--model: samples the rank computes "
+                                                 "(default: the workload's batch_size).")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="--model: timed repeats per layer and step "
+                                         "(medians, after 2 warm-up ones).")] = 5,
 ) -> None:
     """Measure this machine: matmul FLOP/s, memory bandwidth, gloo collectives per world size, and what
-    synchronisation, DDP, FSDP and a parameter server's round cost here (for `predict-run`)."""
+    synchronisation, DDP, FSDP and a parameter server's round cost here (for `predict-run`). With --model,
+    profile a model instead: its layers' and whole step's forward and backward on this device."""
+    if model is not None:
+        calibrate_model(model, set_ or [], batch, repeats, output, as_json)
+        return
+    if set_ or batch is not None:
+        raise ConfigError("--set and --batch go with --model (a model to profile)")
     from ddlscope.calibrate import DEFAULT_PROFILE, calibrate as run_calibration, write_profile
 
     sizes = parse_world_sizes(world_sizes)
@@ -90,4 +108,60 @@ def compute_table(profile: dict[str, Any]) -> Table:
         table.add_row(f"bf16 {c['bf16']['size']}", f"{c['bf16']['flops'] / 1e9:.1f}")
     table.add_row("memory copy", f"{c['memory_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     table.add_row("per-op overhead", f"{c['op_overhead_s'] * 1e6:.2f} us")
+    return table
+
+
+DEFAULT_MODEL_PROFILE = Path("ddlscope-model-profile.toml")
+
+
+def calibrate_model(model: str, sets: list[str], batch: int | None, repeats: int, output: Path | None,
+                    as_json: bool) -> None:
+    """`calibrate --model`: profile one rank of the model on this device, write it as TOML (JSON for a .json path)."""
+    from ddlscope.calibrate.layer_profile import profile_model, write_model_profile
+    from ddlscope.runtime.config import load_experiment, parse_override
+
+    if batch is not None and batch < 1:
+        raise ConfigError(f"--batch {batch}: must be >= 1")
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: must be >= 1")
+    path = output or DEFAULT_MODEL_PROFILE
+    if not path.resolve().parent.is_dir():
+        raise ConfigError(f"--output {path}: folder {path.resolve().parent} does not exist")
+    overrides: dict[str, Any] = {"workload.name": model}
+    for item in sets:
+        key, value = parse_override(item)
+        overrides[key] = value
+    if batch is not None:
+        overrides["workload.batch_size"] = batch
+    overrides["cluster.world_size"] = 1  # one rank: the profile is what each rank of a run computes
+    exp = load_experiment(None, overrides)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    say = (lambda _: None) if as_json else (lambda text: console.print(f"[dim]{escape(text)}[/dim]"))
+    profile = profile_model(exp.model_dump(mode="json"), repeats, progress=say)
+    write_model_profile(profile, path)
+    if as_json:
+        print(json.dumps(profile))
+        return
+    console.print(model_table(profile))
+    step = profile["step"]
+    console.print(f"whole step measured as one: forward {step['forward_s'] * 1e3:.3f} ms + backward "
+                  f"{step['backward_s'] * 1e3:.3f} ms; the layers sum to {profile['layers_sum_s'] * 1e3:.3f} ms, "
+                  f"overhead beside them {profile['overhead_s'] * 1e3:+.3f} ms", markup=False, highlight=False)
+    load, cores = profile["meta"]["load_average_1min"], profile["meta"]["cores"]
+    if load > cores / 2:
+        console.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cores} cores while profiling: "
+                      "other processes were running; figures may be pessimistic and noisy")
+    console.print(f"profile: {path.resolve()}", markup=False, highlight=False)
+
+
+def model_table(profile: dict[str, Any]) -> Table:
+    from ddlscope.calibrate.layer_profile import summary_rows
+
+    table = Table("layer", "forward ms", "backward ms", "GFLOP", title=escape(
+        f"{profile['workload']['name']} at batch {profile['batch']} on {profile['device']['name']} "
+        f"(split: {profile['split']})"))
+    for name, forward_s, backward_s, flops in summary_rows(profile):
+        table.add_row(escape(name), f"{forward_s * 1e3:.3f}", f"{backward_s * 1e3:.3f}", f"{flops / 1e9:.3f}")
     return table

@@ -161,7 +161,8 @@ def predict_command(
     image_size: ImageSizeOpt = None,
     classes: ClassesOpt = None,
     strategy: Annotated[Optional[str], typer.Option(
-        "--strategy", help="CNN only: ddp (default), fsdp (= --zero 3), ps-sync or ps-async.")] = None,
+        "--strategy", help="CNN: ddp (default), fsdp (= --zero 3), ps-sync or ps-async; --profile: any strategy "
+                           "(default ddp).")] = None,
     spot: SpotOpt = None,
     stack: StackOpt = None,
     sustained_fraction: SustainedOpt = None,
@@ -174,11 +175,27 @@ def predict_command(
         callback=run_ref_callback)] = None,
     calibration: PredictCalibrationOpt = None,
     db: PredictDbOpt = DEFAULT_DB,
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", help="A model profile (`ddlscope calibrate --model`): predict its model under --strategy on "
+                          "--world-size ranks of this machine (with --calibration), or on a catalogue --cluster, "
+                          "its compute the profile's (docs/profile.md).")] = None,
+    world_size: Annotated[Optional[int], typer.Option(
+        "--world-size", help="--profile: ranks of this machine (default: local:1xN's N, else 2).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option(
+        "--set", help="--profile: a strategy knob, strategy.KEY=VALUE, e.g. strategy.period=4 (repeatable).")] = None,
 ) -> None:
     """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""
     if against is not None:
         print_run_prediction(against, db, calibration, as_json)
         return
+    if profile is not None:
+        if config is not None or model is not None:
+            raise ConfigError("--profile predicts the profile's own model: leave out CONFIG and --model")
+        print_profile_prediction(profile, strategy or "ddp", world_size, cluster, global_batch, set_ or [],
+                                 calibration, db, as_json)
+        return
+    if set_ or world_size is not None:
+        raise ConfigError("--set and --world-size go with --profile (a model profile)")
     from ddlscope.predict import ParallelSpec, predict
 
     spec = _input(config, cluster, spot, sustained_fraction, stack=stack, model=dict(
@@ -687,6 +704,90 @@ def prediction_table(result: dict[str, Any]) -> Table:
     table.add_row("model states bytes", str(p["model_state_bytes"]), str(m["model_state_bytes"]),
                   err(p["model_state_bytes"], m["model_state_bytes"]))
     return table
+
+
+# ---------------------------------------------------------------------------- predict --profile
+def print_profile_prediction(path: Path, strategy: str, world_size: int | None, cluster: str | None,
+                             global_batch: int | None, sets: list[str], calibration: Path | None, db: Path,
+                             as_json: bool) -> None:
+    """`predict --profile FILE`: the profile's model under `strategy`, on this machine or a catalogue cluster."""
+    from ddlscope.predict.catalogue import LOCAL, cluster_name
+    from ddlscope.predict.from_profile import load_model_profile
+
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"--world-size {world_size}: must be >= 1")
+    if global_batch is not None and global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch}: must be >= 1")
+    knobs = _strategy_knobs(strategy, sets)
+    profile = load_model_profile(path)
+    if cluster is None or cluster_name(cluster) == LOCAL:
+        _print_local_profile_prediction(profile, knobs, world_size, cluster, global_batch, calibration, db, as_json)
+    else:
+        _print_cluster_profile_prediction(profile, knobs, world_size, cluster, global_batch, as_json)
+
+
+def _strategy_knobs(strategy: str, sets: list[str]) -> dict[str, Any]:
+    from ddlscope.runtime.config import parse_override
+
+    knobs: dict[str, Any] = {"name": strategy}
+    for item in sets:
+        key, value = parse_override(item)
+        if not key.startswith("strategy.") or key == "strategy.name":
+            raise ConfigError(f"--set {item}: with --profile, --set takes strategy knobs (strategy.KEY=VALUE); "
+                              "name the strategy with --strategy")
+        knobs[key.removeprefix("strategy.")] = value
+    return knobs
+
+
+def _print_local_profile_prediction(profile: dict[str, Any], knobs: dict[str, Any], world_size: int | None,
+                                   cluster: str | None, global_batch: int | None, calibration: Path | None, db: Path,
+                                   as_json: bool) -> None:
+    from ddlscope.calibrate.profile import this_machine_profile
+    from ddlscope.predict.from_profile import predict_local_from_profile
+
+    machine = this_machine_profile(calibration, db)
+    world = world_size or (cluster_from_text(cluster, calibration, db).gpus_per_node if cluster else 2)
+    if cluster and world != cluster_from_text(cluster, calibration, db).gpus_per_node:
+        raise ConfigError(f"--world-size {world} and --cluster {cluster} disagree: give one")
+    predicted = predict_local_from_profile(profile, knobs, world, machine, global_batch=global_batch)
+    if as_json:
+        print(json.dumps({"strategy": knobs, "world_size": world, "cluster": f"local:1x{world}", **predicted}))
+        return
+    table = Table("", "predicted", title=escape(f"{profile['workload']['name']}: {knobs['name']} x{world} on this "
+                                                f"machine, from the profile"))
+    table.add_row("step", f"{predicted['step_s'] * 1e3:.3f} ms")
+    for phase, value in predicted["breakdown_s"].items():
+        table.add_row(f"  {phase}", f"{value * 1e3:.3f} ms")
+    table.add_row("model states bytes", str(predicted["model_state_bytes"]))
+    console.print(table)
+    for note in predicted["notes"]:
+        console.print(f"[yellow]note:[/yellow] {escape(str(note))}")
+
+
+def _print_cluster_profile_prediction(profile: dict[str, Any], knobs: dict[str, Any], world_size: int | None,
+                                     cluster: str, global_batch: int | None, as_json: bool) -> None:
+    from dataclasses import asdict
+
+    from ddlscope.predict.catalogue import parse_cluster
+    from ddlscope.predict.from_profile import predict_cluster_from_profile
+
+    the_cluster = parse_cluster(cluster)
+    if world_size is not None and world_size != the_cluster.n_gpus:
+        raise ConfigError(f"--world-size {world_size} and --cluster {cluster} ({the_cluster.n_gpus} GPUs) disagree: "
+                          "give one")
+    estimate = predict_cluster_from_profile(profile, knobs, the_cluster, global_batch)
+    if as_json:
+        print(json.dumps({"strategy": knobs, "cluster": cluster, **asdict(estimate)}, default=str))
+        return
+    table = Table("", "predicted", title=escape(f"{profile['workload']['name']}: {knobs['name']} on {cluster}, "
+                                                f"from the profile"))
+    table.add_row("step", f"{estimate.step_s * 1e3:.3f} ms")
+    table.add_row("  compute", f"{estimate.compute_s * 1e3:.3f} ms")
+    table.add_row("  exposed communication", f"{estimate.exposed_comm_s * 1e3:.3f} ms")
+    table.add_row("memory per GPU", f"{estimate.memory_bytes_per_gpu / 2**30:.2f} GiB")
+    console.print(table)
+    for note in estimate.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(str(note))}")
 
 
 # ---------------------------------------------------------------------------- output

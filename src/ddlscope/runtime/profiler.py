@@ -469,3 +469,188 @@ def _no_meter() -> Any:
     from contextlib import nullcontext
 
     return nullcontext()
+
+
+# --------------------------------------------------------------------------- per module (calibrate --model)
+@dataclass(frozen=True)
+class ModuleTiming:
+    """One piece of a model's split (a pipeline layer, a child module, or the loss) on one batch, timed
+    alone on the model's device with its input as a leaf: wall clock, device synchronised, medians."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    param_bytes: int
+    activation_bytes: int  # what autograd saves for its backward, parameters excluded
+    input_bytes: int  # its tensor inputs (what a pipeline stage boundary receives here)
+    output_bytes: int  # its tensor outputs (what it sends on)
+    flops: int  # forward + backward (FlopCounterMode, math attention)
+
+
+def model_split(model: nn.Module, most: int = 64) -> tuple[str, list[tuple[str, nn.Module]]]:
+    """The pieces a model is profiled in, and which split that is: the layer sequence that `pipeline`
+    cuts (workloads/sequential.py) where the model is such a chain, else its children opened from the
+    top, where one child holds most of the parameters (a wrapper such as a Hugging Face encoder) or is a
+    ModuleList/Sequential (the blocks), until at most `most` pieces (leaf-ish top-level children)."""
+    from ddlscope.workloads.sequential import split_layers
+
+    try:
+        layers = split_layers(model)
+        return "layer sequence (the pipeline's layers)", [(f"{i} {type(layer).__name__}", layer)
+                                                         for i, layer in enumerate(layers)]
+    except Exception as why:  # noqa: BLE001 (NotAChain, or fx tracing failing in one of its many ways)
+        reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
+    pieces = list(model.named_children())
+    total = max(sum(p.numel() for p in model.parameters()), 1)
+    while True:
+        opened = _open_one(pieces, total)
+        if opened is None or len(opened) > most:
+            break
+        pieces = opened
+    return f"children (not a layer chain: {reason})", pieces
+
+
+def _open_one(pieces: list[tuple[str, nn.Module]], total: int) -> list[tuple[str, nn.Module]] | None:
+    """The pieces with the first openable one replaced by its children, None when none opens."""
+    for i, (name, module) in enumerate(pieces):
+        children = list(module.named_children())
+        share = sum(p.numel() for p in module.parameters()) / total
+        if children and (isinstance(module, (nn.ModuleList, nn.Sequential)) or share > 0.5):
+            return pieces[:i] + [(f"{name}.{child}", m) for child, m in children] + pieces[i + 1:]
+    return None
+
+
+def profile_modules(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, pieces: list[tuple[str, nn.Module]],
+                    chain: bool, repeats: int = 5, warmup: int = 2) -> list[ModuleTiming]:
+    """Each piece of `model` timed alone on the inputs it gets in one real forward of (x, y), then the
+    loss on the model's output: forward and backward (the output's gradient random, as a real one is
+    dense), each the median of `repeats` after `warmup`. `chain`: the pieces are layers applied in
+    order (pipeline layers, which may hold wrappers the model's forward never calls), else modules of
+    the model whose inputs a forward pre-hook captures. The model is used as it is (give a copy)."""
+    inputs, output = _captured_inputs(model, x, pieces, chain)
+    device = x.device
+    timed = [_time_piece(name, module, *inputs.get(id(module), ((), {})), repeats, warmup, device)
+             for name, module in pieces if id(module) in inputs]
+    loss = _LossPiece(loss_fn, y)
+    return timed + [_time_piece("loss", loss, (output,), {}, repeats, warmup, device)]
+
+
+class _LossPiece(nn.Module):
+    def __init__(self, loss_fn: LossFn, y: Tensor):
+        super().__init__()
+        self.loss_fn, self.y = loss_fn, y
+
+    def forward(self, out: Tensor) -> Tensor:
+        return self.loss_fn(out, self.y)
+
+
+def _captured_inputs(model: nn.Module, x: Tensor, pieces: list[tuple[str, nn.Module]], chain: bool
+                     ) -> tuple[dict[int, tuple[tuple[Any, ...], dict[str, Any]]], Tensor]:
+    """Each piece's (args, kwargs) in one forward of x, detached (the first call, for a module called
+    twice), and the model's output."""
+    captured: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if id(module) not in captured:
+            captured[id(module)] = _detached((args, kwargs))
+
+    # with autograd on: which inputs require a gradient (a hidden state does, the images or a mask do not)
+    # is what each piece's backward computes, and the captured copies keep that flag
+    if chain:
+        h: Any = x
+        for _, layer in pieces:
+            keep(layer, (h,), {})
+            h = layer(h)
+        return captured, _detached(h)
+    hooks = [m.register_forward_pre_hook(keep, with_kwargs=True) for _, m in pieces]
+    try:
+        out = model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured, _detached(out)
+
+
+def _detached(tree: Any) -> Any:
+    """Copies of the tensors in `tree`, cut from the graph, requiring a gradient where the originals did."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t,
+                    tree)
+
+
+def _leaves(tree: Any) -> Any:
+    """Fresh leaves of the captured tensors (flags kept): each run's graph starts at them."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t, tree)
+
+
+def _time_piece(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int,
+                warmup: int, device: torch.device) -> ModuleTiming:
+    import statistics
+    import time
+
+    from torch.utils._pytree import tree_flatten
+
+    from ddlscope.runtime.instrument import ActivationMeter
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def run(meter: Any = None) -> tuple[float, float]:
+        a, k = _leaves((args, kwargs))
+        sync()
+        began = time.perf_counter()
+        with meter.measure() if meter is not None else _no_meter():
+            out = module(*a, **k)
+        sync()
+        forward_s = time.perf_counter() - began
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.requires_grad]
+        grads = [torch.randn_like(t) for t in outs]
+        sync()
+        began = time.perf_counter()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        sync()
+        backward_s = time.perf_counter() - began
+        module.zero_grad(set_to_none=True)
+        return forward_s, backward_s
+
+    times = [run() for _ in range(warmup + repeats)][warmup:]
+    meter = ActivationMeter(module)
+    run(meter)
+    return ModuleTiming(
+        name=name, forward_s=statistics.median(t[0] for t in times), backward_s=statistics.median(t[1] for t in times),
+        param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+        activation_bytes=int(meter.bytes), input_bytes=_tensor_bytes((args, kwargs)),
+        output_bytes=_tensor_bytes(_output_of(module, args, kwargs)), flops=_piece_flops(module, args, kwargs))
+
+
+def _tensor_bytes(tree: Any) -> int:
+    from torch.utils._pytree import tree_flatten
+
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, Tensor))
+
+
+def _output_of(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with torch.no_grad():
+        return module(*args, **kwargs)
+
+
+def _piece_flops(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Forward + backward FLOPs of the piece, counted as the step profiler counts the whole model's
+    (FlopCounterMode, attention through the math kernel, whose FLOPs the counter sees)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a, k = _leaves((args, kwargs))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        outs = [t for t in tree_flatten(module(*a, **k))[0] if isinstance(t, Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    module.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ddlscope.predict.partition import Layer, Plan, partition, pipeline_step_s, plan_of_cuts
-from ddlscope.runtime.profiler import first_batch, optimizer_states_per_param, profile_layers
+from ddlscope.calibrate.layer_profile import rank_threads, workload_batch
+from ddlscope.runtime.profiler import optimizer_states_per_param, profile_layers
 from ddlscope.specs import ConfigError, Experiment
 from ddlscope.specs.strategies.pipeline import equal_block_cuts
-from ddlscope.workloads import WORKLOADS
 
 MAX_MICRO_BATCH = 4096
 
@@ -52,21 +52,14 @@ class PartitionReport:
 
 
 def layer_costs(exp: Experiment, micro_batch: int) -> list[Layer]:
-    """The experiment's model, layer by layer, on one micro-batch of its training data (one thread, as a
-    rank runs)."""
-    import torch
-
-    task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
+    """The experiment's model, layer by layer, on one micro-batch of its training data (the threads a
+    rank runs with): the task and batch as `calibrate --model` builds them (calibrate/layer_profile.py)."""
+    task, x, y = workload_batch(exp, micro_batch)
     if not hasattr(task.model, "pipeline_layers"):
         raise ConfigError(f"workload.name = {exp.workload.name!r}: its model does not split into pipeline layers; "
                           "use a GPT workload (gpt-char, gpt-synthetic)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(exp.cluster.threads_per_rank)
-    try:
-        x, y = first_batch(task.train, micro_batch)
+    with rank_threads(exp.cluster.threads_per_rank):
         profiled = profile_layers(task.model, task.loss_fn, x, y)
-    finally:
-        torch.set_num_threads(threads)
     return [Layer(p.forward_s, p.backward_s, p.param_bytes, p.activation_bytes, p.input_bytes, p.name) for p in profiled]
 
 
