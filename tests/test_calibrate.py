@@ -161,6 +161,9 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     assert ps["block_alone_s"][1] > ps["block_alone_s"][0] > 0
     assert len(ps["busy_round_s"]) == 2 and all(len(r) == 2 and min(r) > 0 for r in ps["busy_round_s"])
     assert all(0.5 < busy / alone < 3 for busy, alone in zip(ps["busy_block_s"], ps["block_alone_s"]))
+    tp = profile["tp"]["ws2"]  # the trace of one tp-split GPT block: Megatron's 4 activation all-reduces
+    assert tp["block_all_reduces"] == 4 and tp["all_reduce_activation_ratio"] == 1.0
+    assert 10 < tp["block_dispatch_ops"] < 1000 and 0 < tp["dispatch_op_s"] < 1e-2
 
 
 def test_predict_run_finds_the_newest_calibration_in_the_store(tmp_path: Path, monkeypatch):

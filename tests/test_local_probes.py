@@ -71,3 +71,34 @@ def test_benchmark_judges_a_row_against_its_repeats_spread():
     other = {**row, "strategy": "tp", "error": {"step_s_error": 0.30}}
     assert bench.per_strategy([row, other, {**other, "error": {"step_s_error": -0.1}}]) == {
         "ddp": [0.045], "tp": [0.30, 0.1]}
+
+
+TP_PROBE = {"ws2": {"dispatch_op_s": 2e-5, "block_dispatch_ops": 64, "block_all_reduces": 4,
+                    "all_reduce_activation_ratio": 1.0}}
+GPT_SIZES = {"layers": 4, "hidden": 128, "seq_len": 64, "batch_size": 16}
+
+
+def _tp(profile: dict, **workload) -> dict:
+    config = _config("tp", 2)
+    config["workload"].update(workload)
+    return predict_local(config, {}, {**FACTS, "fsdp_units": [100, 100, 100, 100, 10]}, profile)
+
+
+def test_tp_prices_the_traced_all_reduces_and_dtensor_dispatch():
+    """Per block: the probe's all-reduces of batch x seq x hidden fp32 elements from the gloo table, and
+    its DTensor op count x per-op cost; a calibration without [tp]: Megatron's 4 all-reduces, no dispatch;
+    a workload without those sizes: nothing priced, and said."""
+    from ddlscope.calibrate.model import message_s
+    from ddlscope.calibrate.profile import CalibrationProfile
+
+    bare = _tp(PROFILE)["step_s"]
+    older = _tp(PROFILE, **GPT_SIZES)
+    probed = _tp({**PROFILE, "tp": TP_PROBE}, **GPT_SIZES)
+    all_reduce_s = message_s(CalibrationProfile.coerce(PROFILE), "all_reduce", 16 * 64 * 128 * 4, 2, None)
+    assert older["step_s"] - bare == pytest.approx(4 * 4 * all_reduce_s)
+    assert probed["step_s"] - older["step_s"] == pytest.approx(4 * 64 * 2e-5)  # stretch 1 on 8 cores
+    assert any("no [tp] probe" in n for n in older["notes"]) and not any("no [tp]" in n for n in probed["notes"])
+    assert any("not priced" in n for n in _tp(PROFILE)["notes"])
+    halved = _tp({**PROFILE, "tp": {"ws2": {**TP_PROBE["ws2"], "all_reduce_activation_ratio": 0.5}}}, **GPT_SIZES)
+    half_s = message_s(CalibrationProfile.coerce(PROFILE), "all_reduce", 16 * 64 * 128 * 2, 2, None)
+    assert probed["step_s"] - halved["step_s"] == pytest.approx(4 * 4 * (all_reduce_s - half_s))

@@ -37,6 +37,12 @@ What is measured, each with one intra-op thread per process as training ranks us
   back to back and with every worker computing a block before its push (the
   round and the compute then both stretch). Many senders to one receiver on
   shared cores cost more than two-rank ping-pong suggests.
+- tensor parallel's DTensor, per world size (`_tp_probe`): the per-op cost of
+  DTensor's dispatch (an elementwise op on a shard minus the same op on its
+  local tensor, no communication in it), and, from a TorchDispatchMode trace
+  of one GPT block split as strategies/tp.py splits it (forward + backward,
+  not timed), how many aten ops take a DTensor and how many all-reduces it
+  makes, of what size against the block's activations. A few seconds.
 
 Everything here imports torch inside the function that needs it, so that importing
 ddlscope.calibrate (its profile file, say) costs no torch.
@@ -258,9 +264,10 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str, quick: bool 
         sync = _sync_probe(repeats)
         strategies = _strategy_probes(repeats, quick)
         incast = _incast_probe(repeats, quick)
+        tp = _tp_probe(repeats)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"median": results, "fastest": fastest, "sync": sync,
-                                                  "ps": incast, **strategies}))
+                                                  "ps": incast, "tp": tp, **strategies}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -508,6 +515,72 @@ def _incast_rounds(size: int, block: Any, rounds: int) -> tuple[float, float]:
         return 0.0, 0.0
     # Mean over the rounds: a step pays the slow rounds as well as the typical one.
     return statistics.fmean(round_s), statistics.fmean(block_s)
+
+
+# The traced block: widths and a batch small enough that the trace and the timing take milliseconds;
+# the op and all-reduce counts of the Megatron plan do not depend on them.
+TP_PROBE_HIDDEN, TP_PROBE_HEADS, TP_PROBE_SEQ, TP_PROBE_BATCH = 16, 2, 8, 2
+
+
+def _tp_probe(repeats: int) -> dict[str, Any]:
+    """DTensor's per-op dispatch cost (the slowest rank's) and one tp-sharded GPT block's op and
+    all-reduce counts, traced (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    counts = trace_tp_block(mesh, world)
+    shard = distribute_tensor(torch.randn(16 * world, 16), mesh, [Shard(0)])
+    local = shard.to_local()
+    dtensor_s = _median_time(lambda: shard.mul(2.0), max(20, 10 * repeats), inner=10)
+    plain_s = _median_time(lambda: local.mul(2.0), max(20, 10 * repeats), inner=10)
+    op_s = torch.tensor([max(dtensor_s - plain_s, 0.0)], dtype=torch.float64)
+    dist.all_reduce(op_s, op=dist.ReduceOp.MAX)
+    return {"dispatch_op_s": float(op_s), **counts}
+
+
+def trace_tp_block(mesh: Any, ranks: int) -> dict[str, Any]:
+    """One GPT block split over `mesh` as strategies/tp.py splits it, stepped once (warm) and then
+    traced forward + backward: aten ops with a DTensor argument, all-reduces, and their elements over
+    the block's activations (batch x seq x hidden)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from ddlscope.strategies.tp import PLAN
+    from ddlscope.workloads.gpt import Block, GPTConfig
+
+    class Trace(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtensor_ops, self.all_reduce_elements = 0, []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            leaves = tree_leaves((args, kwargs or {}))
+            self.dtensor_ops += any(isinstance(a, DTensor) for a in leaves)
+            if func.__name__.startswith("all_reduce"):
+                self.all_reduce_elements.append(sum(a.numel() for a in leaves if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    cfg = GPTConfig(vocab_size=64, seq_len=TP_PROBE_SEQ, layers=1, hidden=TP_PROBE_HIDDEN * ranks,
+                    heads=TP_PROBE_HEADS * ranks)
+    torch.manual_seed(0)
+    block = Block(cfg)
+    block.attn.heads //= ranks
+    parallelize_module(block, mesh, PLAN)
+    x = torch.randn(TP_PROBE_BATCH, TP_PROBE_SEQ, cfg.hidden, requires_grad=True)
+    block(x).sum().backward()  # warm: sharding propagation's caches filled, as in a training step
+    with Trace() as trace:
+        block(x).sum().backward()
+    activation = TP_PROBE_BATCH * TP_PROBE_SEQ * cfg.hidden
+    reduces = trace.all_reduce_elements
+    return {"block_dispatch_ops": trace.dtensor_ops, "block_all_reduces": len(reduces),
+            "all_reduce_activation_ratio": statistics.fmean(reduces) / activation if reduces else 0.0}
 
 
 def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:

@@ -140,6 +140,16 @@ class FsdpProbe(_Table):
     optimizer_tensor_s: Number | None = None  # plain SGD's step per DTensor-sharded parameter tensor
 
 
+class TpProbe(_Table):
+    """What torch's tensor parallel (DTensor) adds to a GPT block on this machine (probes._tp_probe): absent in
+    calibrations before it (the predictor then prices the Megatron layout's all-reduces only, and says so)."""
+
+    dispatch_op_s: Number | None = None  # an op on a DTensor shard minus the same op on its local tensor
+    block_dispatch_ops: int | None = None  # aten ops with a DTensor argument in one sharded block's fwd + bwd
+    block_all_reduces: int | None = None  # all-reduces in that trace (Megatron: 2 forward, 2 backward)
+    all_reduce_activation_ratio: Number | None = None  # elements per all-reduce / (batch x seq x hidden)
+
+
 class ServerProbe(_Table):
     """A parameter server's transport round (probes._incast_probe)."""
 
@@ -159,6 +169,7 @@ class CalibrationProfile(_Table):
     ddp: dict[WorldSize, DdpProbe] | None = None
     fsdp: dict[WorldSize, FsdpProbe] | None = None
     ps: dict[WorldSize, ServerProbe] | None = None
+    tp: dict[WorldSize, TpProbe] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as the plain dict it was made from (what the local predictor reads): the same

@@ -110,7 +110,7 @@ def local_case(config: dict[str, Any], environment: dict[str, Any], facts: dict[
         * OPS_PER_PARAM_OPTIMIZER[opt_kind] / 2,
         kernel_stretch=side_by_side.get("stretch"),
         kernel_slowest_wait_s=float(side_by_side.get("slowest_wait_s", 0.0)),
-        steps=run_steps(config))
+        steps=run_steps(config), workload=dict(config.get("workload") or {}))
 
 
 def run_steps(config: dict[str, Any]) -> int | None:
@@ -175,7 +175,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     sync_overhead_s = sync_at(machine_probe(profile, "sync", world + case.servers), case.alone_s)[1]
     probed_stretch = estimator.local_compute_stretch(spec, case)
     stretch = case.side_by_side_stretch() if probed_stretch is None else probed_stretch
-    compute_s = case.alone_s * stretch * estimator.local_compute_factor(spec, case)
+    extra_s, extra_notes = estimator.local_compute_extra_s(spec, case)
+    compute_s = case.alone_s * stretch * estimator.local_compute_factor(spec, case) + extra_s
     forward_s = compute_s * forward_share(facts)
     backward_s = compute_s - forward_s
     # Reading the batch (the in-memory split's gather): timed with the kernels, else not priced.
@@ -193,7 +194,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     comm = estimator.local_comm(spec, case, LocalStep(stretch, forward_s, backward_s, zero_grad_s))
     if not spec.traits.local_optimizer:  # the servers step; the workers only zero their gradients
         optimizer_s = zero_grad_s
-    notes = list(comm.notes)
+    notes = list(comm.notes) + extra_notes
 
     # The synchronisation probe is for a strategy with no probe of its own that holds the wait. A
     # synchronous step also waits for its slowest rank's compute: as the kernels side by side spread,

@@ -50,6 +50,7 @@ class LocalCase:
     kernel_stretch: float | None = None  # the workload's kernels side by side over alone, where timed
     kernel_slowest_wait_s: float = 0.0  # a synchronous step's wait for its slowest rank, from them
     steps: int | None = None  # the run's steps (workload.steps), where known: the measured mean is over them
+    workload: dict[str, Any] = field(default_factory=dict)  # the run's workload config (sizes: hidden, seq_len)
 
     def steady_steps(self) -> range | None:
         """The steps the run's mean step time is taken over (analysis/summary.py: step 0 is left out when
@@ -130,6 +131,11 @@ class Estimator:
         """How much a rank's compute stretches beside the others, where a probe of this strategy
         measured it; None: the synchronisation probe's."""
         return None
+
+    def local_compute_extra_s(self, spec: StrategySpec, case: LocalCase) -> tuple[float, list[str]]:
+        """Seconds a worker's forward and backward take beyond its kernels' (e.g. tensor parallel's DTensor
+        dispatch and the all-reduces inside its layers), with notes: none by default."""
+        return 0.0, []
 
     def local_compute_factor(self, spec: StrategySpec, case: LocalCase) -> float:
         """A worker's compute per step over a plain forward and backward of its batch (e.g. gossip's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ddlscope.calibrate.model import machine_probe, message_s, required
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
@@ -63,10 +64,52 @@ class TPEstimator(Estimator):
         mine = int(_rank_param_bytes(spec, case))
         return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
 
+    def local_compute_extra_s(self, spec: TPSpec, case: LocalCase) -> tuple[float, list[str]]:
+        """Inside each block's forward and backward: the all-reduces of its activations (the probe's traced
+        count, each of ratio x batch x seq x hidden fp32 elements, from the calibrated gloo table at the tp
+        degree) and DTensor's dispatch of every op on a shard (the traced op count x the probe's per-op
+        cost, stretched as the ranks' compute side by side is). A calibration without the [tp] probe: Megatron's four
+        all-reduces of the block's activations, no dispatch (noted)."""
+        sizes = gpt_sizes(case.workload)
+        if sizes is None:
+            return 0.0, ["tp: the workload's layers, hidden and seq_len are not in its config: the activation "
+                         "all-reduces and DTensor's dispatch are not priced"]
+        layers, activation_elements = sizes
+        t = spec.tp_degree(case.world)
+        probe = machine_probe(case.profile, "tp", t)
+        all_reduces = MEGATRON_BLOCK_ALL_REDUCES if probe is None else int(required(probe.block_all_reduces,
+                                                                                    "tp.block_all_reduces"))
+        ratio = 1.0 if probe is None else float(required(probe.all_reduce_activation_ratio,
+                                                           "tp.all_reduce_activation_ratio"))
+        payload_bytes = ratio * activation_elements / spec.dp * 4
+        all_reduce_s = message_s(case.profile, "all_reduce", payload_bytes, t, case.link)
+        dispatch_s = 0.0 if probe is None else (int(required(probe.block_dispatch_ops, "tp.block_dispatch_ops"))
+                                                 * float(required(probe.dispatch_op_s, "tp.dispatch_op_s"))
+                                                 * case.side_by_side_stretch())
+        notes = [f"tp: per block {all_reduces} all-reduces of {payload_bytes / 1e3:.0f} kB ({all_reduce_s * 1e3:.2f} ms "
+                 f"each) and DTensor's dispatch {dispatch_s * 1e3:.2f} ms, {layers} blocks"]
+        if probe is None:
+            notes.append("tp: no [tp] probe in the calibration (re-run `ddlscope calibrate`): DTensor's dispatch "
+                         "is not priced, Megatron's 4 all-reduces per block are")
+        return layers * (all_reduces * all_reduce_s + dispatch_s), notes
+
     def local_comm(self, spec: TPSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        """Four all-reduces per block of the block output (per-rank batch x seq x hidden, fp32); the facts
-        do not hold those sizes, so this prices them from the gemm count: not priced, noted."""
-        return LocalComm(0.0, notes=["tp: the activation all-reduces are not priced on this machine yet"])
+        """The all-reduces happen inside the blocks' forward and backward (local_compute_extra_s)."""
+        return LocalComm(0.0)
+
+
+# Megatron-LM's layout: the attention's and the MLP's row-parallel outputs in forward, the column-parallel
+# inputs' gradients in backward (what the probe's trace of torch's plan counts too).
+MEGATRON_BLOCK_ALL_REDUCES = 4
+
+
+def gpt_sizes(workload: dict) -> tuple[int, float] | None:
+    """(blocks, elements of one block's activations: batch x seq_len x hidden) from a GPT workload's config;
+    None where the config does not say them (a Hugging Face model's come from its own config)."""
+    try:
+        return int(workload["layers"]), float(workload["batch_size"] * workload["seq_len"] * workload["hidden"])
+    except (KeyError, TypeError):
+        return None
 
 
 def _rank_param_bytes(spec: TPSpec, case: LocalCase) -> float:
