@@ -17,6 +17,8 @@ from ddlscope.studies import paper
 from ddlscope.studies.base import CellResult
 from ddlscope.studies.paper_prediction import NO_MODEL_TABLE
 
+from browser import CHROMIUM, assert_reads_well, look_at
+
 QUICK_MODEL_KEYS = {"single/w1", "ddp/fast/homogeneous/w2", "memory/ddp/w2", "memory/fsdp/w2"}
 
 
@@ -163,6 +165,13 @@ def test_a_small_model_runs_through_the_study_its_report_names_it_and_a_rerun_re
     assert "mobilenet_v3_small" in rows["FSDP peak memory per device"]["predicted"]
     html = Path(report).read_text()
     assert "mobilenet_v3_small/ddp/fast/homogeneous/w2" in html and "--models mobilenet_v3_small" in html
+    if CHROMIUM:  # the paper study's page as a reader sees it, with its headlines (tests/browser.py)
+        page = look_at(Path(report), tmp_path, "paper-report", width=1000)
+        assert_reads_well(page, min_images=4, min_tables=2)
+        headings = [h for h in page.headings if h != "Notes"]
+        assert headings[:3] == ["Headlines: the main study vs this machine", "All cells",
+                                "Throughput, speedup and scaling"], page.headings
+        assert "Memory by category: DDP vs FSDP" in headings  # memory cells in a chart of their own
     again = run_study(study, "paper", [c for c in study.cells(quick=True) if "model" in c.labels], db, False, report,
                       "again")
     assert [r.reused for r in again.results] == [True] * 4

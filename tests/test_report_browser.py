@@ -1,4 +1,4 @@
-"""The HTML report as a person sees it: Debian's chromium, headless, driven by Playwright.
+"""The runs report as a person sees it, in Debian's chromium (tests/browser.py).
 
 Real runs go through `ddlscope report`; the page is opened from a local file and
 must render its tables and every figure (images decoded, non-zero size) with no
@@ -6,21 +6,11 @@ console errors. A screenshot is saved next to the report (and under
 $DDLSCOPE_ARTIFACTS when set) so a person can look at it.
 """
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-# Flags for a sandbox without a session bus or network: no background traffic, no first-run work.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-quic"]
+from browser import NEEDS_CHROMIUM, assert_reads_well, look_at
 
-pytestmark = [
-    pytest.mark.multiprocess,
-    pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium; .ci/run does)"),
-]
+pytestmark = [pytest.mark.multiprocess, NEEDS_CHROMIUM]
 
 
 @pytest.fixture(scope="module")
@@ -40,37 +30,14 @@ def report(tmp_path_factory):
 
 @pytest.mark.timeout(180)
 def test_report_renders_in_chromium(report, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api")
-    console_errors: list[str] = []
-    with sync_api.sync_playwright() as pw:
-        # A fresh profile per test: launch_persistent_context owns --user-data-dir.
-        context = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=CHROMIUM,
-                                                        args=CHROMIUM_ARGS, viewport={"width": 1300, "height": 900})
-        page = context.new_page()
-        page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)
-        page.on("pageerror", lambda exc: console_errors.append(str(exc)))
-        page.goto(report.resolve().as_uri())
-        page.wait_for_load_state("load")
-        images = page.evaluate("""() => Array.from(document.images).map(img => ({
-            ok: img.complete && img.naturalWidth > 0 && img.naturalHeight > 0,
-            width: img.getBoundingClientRect().width, height: img.getBoundingClientRect().height,
-            src: img.src.slice(0, 22)}))""")
-        tables = page.evaluate("() => Array.from(document.querySelectorAll('table')).map(t => t.rows.length)")
-        title = page.title()
-        body = page.inner_text("body")
-        shot = report.with_suffix(".png")
-        page.screenshot(path=str(shot), full_page=True)
-        context.close()
+    page = look_at(report, tmp_path, "report")
+    assert_reads_well(page, min_images=6, min_tables=3)
+    assert page.title == "browser <check>"  # escaped in the source, shown as text
+    assert "base <b>line</b>" in page.body  # a user string shows as text, not markup
 
-    assert not console_errors, console_errors
-    assert len(images) >= 6, images
-    assert all(img["ok"] and img["width"] > 0 and img["height"] > 0 for img in images), images
-    assert all(img["src"].startswith("data:image/png") for img in images)
-    assert len(tables) >= 3 and all(rows >= 2 for rows in tables[:3]), tables
-    assert title == "browser <check>"  # escaped in the source, shown as text
-    assert "base <b>line</b>" in body  # a user string shows as text, not markup
-    assert shot.stat().st_size > 10_000
-    artifacts = os.environ.get("DDLSCOPE_ARTIFACTS")
-    if artifacts:
-        Path(artifacts).mkdir(parents=True, exist_ok=True)
-        shutil.copy(shot, Path(artifacts) / "report.png")
+
+@pytest.mark.timeout(180)
+def test_on_a_narrow_window_wide_tables_scroll_under_their_row_names(report, tmp_path):
+    page = look_at(report, tmp_path, "report-narrow", width=700)
+    assert_reads_well(page, min_images=6, min_tables=3)
+    assert page.wide_tables  # at 700 px the config and summary tables are wider than the window
