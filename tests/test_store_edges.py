@@ -229,6 +229,31 @@ def test_a_rank_that_raises_leaves_its_error_file_and_prints_nothing_past_its_lo
     assert message == "_LikeCheckpointException: rank 0: [Errno 28] No space left on device"
 
 
+def _report_where(out: str) -> None:
+    Path(out).write_text(f"{os.getcwd()}\n{os.environ.get('DDLSCOPE_LAUNCH_MARK')}")
+
+
+def _rank_forked_elsewhere(launch_folder: str, out: str) -> None:
+    from ddlscope.runtime.launcher import _rank_entry
+
+    # a fork server's rank starts in the folder and environment the server had; the launch's are handed over
+    _rank_entry({**os.environ, "DDLSCOPE_LAUNCH_MARK": "this launch"}, 1, os.getppid(), launch_folder,
+                _report_where, out)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_runs_in_the_folder_and_environment_of_its_launch_not_of_its_fork_server(tmp_path):
+    import multiprocessing
+
+    launch_folder, out = tmp_path / "launched-from", tmp_path / "where.txt"
+    launch_folder.mkdir()
+    rank = multiprocessing.get_context("fork").Process(target=_rank_forked_elsewhere, args=(str(launch_folder), str(out)))
+    rank.start()
+    rank.join(30)
+    assert rank.exitcode == 0
+    assert out.read_text().splitlines() == [str(launch_folder), "this launch"]
+
+
 def test_partial_checkpoints_are_removed():
     from ddlscope.runtime.launcher import remove_partial_checkpoints
 

@@ -115,7 +115,8 @@ def launch(
     nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes (ranks) on this machine.")] = 1,
     name: Annotated[Optional[str], typer.Option(help="The run's name (default: the script's).")] = None,
     hang_timeout: Annotated[float, typer.Option(
-        "--hang-timeout", min=1.0, help="Seconds past the slowest step before the watchdog ends a stuck run.")] = 300.0,
+        "--hang-timeout", min=1.0, max=7 * 24 * 3600.0,
+        help="Seconds past the slowest step before the watchdog ends a stuck run (at most a week).")] = 300.0,
     max_restarts: Annotated[int, typer.Option(min=0, help="Restart every rank up to K times when one dies "
                                               "(the script resumes from its own checkpoints).")] = 0,
     db: DbOption = DEFAULT_DB,

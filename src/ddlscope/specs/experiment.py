@@ -199,7 +199,7 @@ class ClusterSpec(Spec):
                                           "e.g. [{rank = 1, step = 5, down_s = 2}] (asynchronous PS only)")
     max_restarts: int = Field(0, ge=0, le=100, description="restart the ranks (from the last checkpoint) up to this "
                                                             "many times when one dies (torch's elastic agent)")
-    hang_timeout_s: float = Field(60.0, gt=0, description="end the run when a rank makes no progress for this long "
+    hang_timeout_s: float = Field(60.0, gt=0, le=7 * 24 * 3600, description="end the run when a rank makes no progress for this long "
                                                           "past the slowest step so far (the hang watchdog)")
 
     @property

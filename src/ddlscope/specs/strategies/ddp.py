@@ -38,7 +38,7 @@ class DDPSpec(HeteroBatchKnobs):  # batch_split, worker_speeds: specs/strategies
         "none", description="none (plain all-reduce), fp16 / bf16 (cast to 16 bits), powersgd (low-rank; powersgd(R) "
                             "sets the rank), topk (largest k with error feedback), qsgd (s levels), minmax8 (8-bit "
                             "min-max, ByteGrad); see strategies/compression.py")
-    powersgd_rank: int = Field(1, ge=1, description="PowerSGD matrix approximation rank")
+    powersgd_rank: int = Field(1, ge=1, le=1024, description="PowerSGD matrix approximation rank (the paper: 1-4)")
     powersgd_start_iter: int = Field(2, ge=2, description="plain all-reduce before this iteration (torch needs >= 2)")
 
     # --- gradient compression knobs of our own hooks (strategies/compression.py)

@@ -52,7 +52,7 @@ class GossipSpec(StrategySpec):
                                            "async: mix in whatever neighbour models have arrived, never wait")
     dp_noise_multiplier: float = Field(0.0, ge=0, le=MAX_NOISE, description="differential privacy: Gaussian noise "
                                        "std over the per-sample clip norm (0: no privacy, no clipping; else 0.1 to 100)")
-    dp_clip_norm: float = Field(1.0, gt=0, description="differential privacy: each sample's gradient is clipped to "
+    dp_clip_norm: float = Field(1.0, gt=0, le=1e6, description="differential privacy: each sample's gradient is clipped to "
                                                        "this L2 norm (used when dp_noise_multiplier > 0)")
     dp_delta: float = Field(1e-5, gt=0, lt=1, description="differential privacy: the delta epsilon is reported at")
 

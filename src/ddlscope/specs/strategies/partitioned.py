@@ -38,7 +38,7 @@ class PartitionedSpec(StrategySpec):
                     "embedding/blocks/head, a model source's layers in forward order): world_size - 1 "
                     "increasing indices where parts 1, 2, ... start; empty: the layers with parameters split "
                     "as evenly as possible")
-    target_scale: float = Field(1.0, gt=0, description="standard deviation of the synthetic target vectors: "
+    target_scale: float = Field(1.0, gt=0, le=1e6, description="standard deviation of the synthetic target vectors: "
                                                        "each class's fixed random vector per part")
 
     # What check_experiment saw, for the runtime's check_model (handed this spec alone), which counts a
