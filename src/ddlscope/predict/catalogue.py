@@ -194,6 +194,7 @@ class Stack:
     grad_reduce_bytes: int | None = None  # 4: gradients reduced in fp32 (FSDP2's reduce dtype under torchtitan)
     fused_rope: bool | None = None  # False: rotary embedding in eager PyTorch (torchtitan's complex multiply)
     fused_elementwise: bool | None = None  # False: eager RMSNorm and SwiGLU passes (torchtitan without compile)
+    fsdp_version: int | None = None  # 1 / 2: its ZeRO-3 is PyTorch FSDP1 / FSDP2 (their copies priced)
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)  # the first is the stack's default
     attention: str | None = None
     tensor_parallel: bool = True
@@ -211,7 +212,7 @@ class Stack:
         """ParallelSpec fields the stack sets where the input leaves them unset."""
         out: dict[str, Any] = {"zero": self.zero_stages[0]}
         for name in ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "fused_rope",
-                     "fused_elementwise"):
+                     "fused_elementwise", "fsdp_version"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -318,7 +319,7 @@ def catalogue_from_dict(raw: dict[str, Any]) -> Catalogue:
 
 
 _STACK_SWITCHES = ("overlap_grad_reduce", "fused_grad_accumulation", "grad_reduce_bytes", "fused_rope",
-                   "fused_elementwise", "attention",
+                   "fused_elementwise", "fsdp_version", "attention",
                    "tensor_parallel", "sequence_parallel", "context_parallel", "selective_recompute", "pipeline")
 
 
@@ -339,6 +340,8 @@ def _stack(key: str, d: dict[str, Any], devices: dict[str, Device]) -> Stack:
         raise CatalogueError(f"stacks.{key}: pipeline = {d['pipeline']!r}: allowed: {', '.join(PIPELINE_ENGINES)}")
     if d.get("grad_reduce_bytes", 2) not in (2, 4):
         raise CatalogueError(f"stacks.{key}: grad_reduce_bytes = {d['grad_reduce_bytes']!r}: allowed: 2, 4")
+    if d.get("fsdp_version", 0) not in (0, 1, 2):
+        raise CatalogueError(f"stacks.{key}: fsdp_version = {d['fsdp_version']!r}: allowed: 0, 1, 2")
     if d.get("attention") not in (None, "flash", "unfused"):
         raise CatalogueError(f"stacks.{key}: attention = {d['attention']!r}: allowed: flash, unfused")
     share = d.get("validated_share")

@@ -58,6 +58,7 @@ class ConfigArrays:
     grad_reduce_bytes: float = 2.0  # bytes per gradient element the data-parallel reductions carry
     fused_rope: bool = True  # rotary embedding in one fused kernel (False: eager PyTorch's three passes)
     fused_elementwise: bool = True  # norms and SwiGLU in fused kernels (False: torchtitan's eager passes)
+    fsdp_version: int = 0  # ZeRO-3 as PyTorch FSDP 1 or 2 runs it (its copies on the compute stream); 0: none priced
 
     def __post_init__(self) -> None:
         ones = np.ones(len(self.tp), dtype=int)
@@ -85,7 +86,8 @@ class ConfigArrays:
                    overlap_grad_reduce=first.overlap_grad_reduce, bucket_mb=first.bucket_mb,
                    fused_grad_accumulation=first.fused_grad_accumulation,
                    cp=col(lambda s: s.cp), ep=col(lambda s: s.ep), grad_reduce_bytes=first.grad_reduce_bytes,
-                   fused_rope=first.fused_rope, fused_elementwise=first.fused_elementwise)
+                   fused_rope=first.fused_rope, fused_elementwise=first.fused_elementwise,
+                   fsdp_version=first.fsdp_version)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -106,7 +108,8 @@ class ConfigArrays:
                             schedule=schedule, overlap_grad_reduce=self.overlap_grad_reduce,
                             bucket_mb=self.bucket_mb, fused_grad_accumulation=self.fused_grad_accumulation,
                             cp=int(self.cp[i]), ep=int(self.ep[i]), grad_reduce_bytes=int(self.grad_reduce_bytes),
-                            fused_rope=self.fused_rope, fused_elementwise=self.fused_elementwise)
+                            fused_rope=self.fused_rope, fused_elementwise=self.fused_elementwise,
+                            fsdp_version=self.fsdp_version)
 
 
 def valid_mask(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> np.ndarray:
@@ -295,26 +298,29 @@ def _data_group(cluster: Cluster, x: _Shape, experts: bool = False):
     return size, coll.group_members_per_node(size, stride, cluster.gpus_per_node)
 
 
-def _zero_collectives_s(cluster: Cluster, x: _Shape, params, reduce_bytes: float = 2.0):
+def _zero_collectives_s(cluster: Cluster, x: _Shape, params, reduce_bytes: float = 2.0, fsdp_version: int = 0):
     """(all-gather of the weights, reduce-scatter of the gradients, one reduce-scatter's latency) over the
     data-parallel group, for `params` parameters on a GPU: ZeRO-2/3's traffic per micro-batch.
 
     Gradients reduced in a wider dtype than computed (`reduce_bytes` 4: FSDP's fp32 reduce dtype) carry that
     many bytes each, and FSDP first copies the unit's 16-bit gradients into its fp32 reduce-scatter input
-    (FSDP2 foreach_reduce; FSDP1 casts the flat gradient): read 2 bytes, write `reduce_bytes`, memory-bound,
-    on the reduce-scatter's stream (counted with it)."""
+    (FSDP1 casts the flat gradient on its post-backward stream): read 2 bytes, write `reduce_bytes`,
+    memory-bound, on the reduce-scatter's stream (counted with it). FSDP2 (`fsdp_version` 2) copies them in on
+    the compute stream instead: `compute.fsdp_copy_bytes_per_param` counts it there."""
     node, (group, local) = cluster.node, _data_group(cluster, x)
     shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
     scatter = coll.reduce_scatter_s(params * reduce_bytes, group, local, node)
-    if reduce_bytes > memory.GRAD_BYTES_PER_PARAM:
+    if reduce_bytes > memory.GRAD_BYTES_PER_PARAM and fsdp_version != 2:
         scatter = scatter + compute.memory_bound_s(params * (memory.GRAD_BYTES_PER_PARAM + reduce_bytes),
                                                    cluster.device)
     return (coll.all_gather_s(shard_bytes, group, local, node), scatter,
             coll.reduce_scatter_s(0.0, group, local, node))
 
 
-def _zero_in_step_s(cluster: Cluster, x: _Shape, params, collectives, compute_f, compute_b, bucket_mb: float):
-    """ZeRO-2/3 traffic per micro-batch that compute could not hide (`collectives`: _zero_collectives_s's)."""
+def _zero_in_step_s(cluster: Cluster, x: _Shape, params, collectives, compute_f, compute_b, bucket_mb: float,
+                    fsdp_copy_bytes: float = 0.0):
+    """ZeRO-2/3 traffic per micro-batch that compute could not hide (`collectives`: _zero_collectives_s's), and
+    at ZeRO-3 FSDP's own copies on the compute stream (`fsdp_copy_bytes` per parameter on the GPU)."""
     gather, scatter, latency = collectives
     shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
     # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
@@ -323,7 +329,8 @@ def _zero_in_step_s(cluster: Cluster, x: _Shape, params, collectives, compute_f,
     sms = cluster.device.efficiency.sms
     stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
               + np.maximum(gather + scatter - compute_b, 0.0)
-              + coll.sm_contention_s(gather, compute_f, sms) + coll.sm_contention_s(gather + scatter, compute_b, sms))
+              + coll.sm_contention_s(gather, compute_f, sms) + coll.sm_contention_s(gather + scatter, compute_b, sms)
+              + compute.memory_bound_s(params * fsdp_copy_bytes, cluster.device))
     # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
     stage2 = (coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
               + coll.sm_contention_s(scatter, compute_b, sms))
@@ -356,7 +363,8 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, collectives, back
     return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
 
 
-def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape, reduce_bytes: float = 2.0) -> dict[str, Any]:
+def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape, reduce_bytes: float = 2.0,
+                   fsdp_version: int = 0) -> dict[str, Any]:
     """Every collective of the step, by name (an array, or a tuple of them for a group's several), for
     the distinct sizes of `_distinct_sizes`: they depend on the sizes, the micro-batch and SP alone."""
     g, node = cluster.gpus_per_node, cluster.node
@@ -375,8 +383,8 @@ def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape, reduce_bytes: 
            "p2p_chunk": coll.p2p_s(act_bytes / x.t, stages_across_nodes, node) + regather,
            "embedding_sync": coll.all_reduce_s(embedding_here * memory.GRAD_BYTES_PER_PARAM, 2.0,
                                                np.where(stages_across_nodes, 1.0, 2.0), node),
-           "first_zero": _zero_collectives_s(cluster, x, first_params + experts_here, reduce_bytes),
-           "last_zero": _zero_collectives_s(cluster, x, last_params + experts_here, reduce_bytes),
+           "first_zero": _zero_collectives_s(cluster, x, first_params + experts_here, reduce_bytes, fsdp_version),
+           "last_zero": _zero_collectives_s(cluster, x, last_params + experts_here, reduce_bytes, fsdp_version),
            "dp": _data_parallel_collectives_s(cluster, x, np.maximum(first_params, last_params),
                                               reduce_bytes=reduce_bytes)}
     if model.is_moe:
@@ -423,7 +431,7 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     last_compute_b = lps * (layer_b + layer_recompute) + out_b + extra_on_single(emb_b)
 
     sizes, inverse = _distinct_sizes(model, c)
-    collectives = _collectives_s(model, cluster, sizes, float(c.grad_reduce_bytes))
+    collectives = _collectives_s(model, cluster, sizes, float(c.grad_reduce_bytes), int(c.fsdp_version))
     def spread(name: str):  # a collective of the distinct sizes at every configuration
         value = collectives[name]
         return tuple(v[inverse] for v in value) if isinstance(value, tuple) else value[inverse]
@@ -442,10 +450,11 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     p2p_mb = np.where(single, 0.0, 2 * x.v * spread("p2p_chunk"))
 
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
+    fsdp_copy_bytes = compute.fsdp_copy_bytes_per_param(int(c.fsdp_version), float(c.grad_reduce_bytes))
     first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, spread("first_zero"),
-                                 first_compute_f, first_compute_b, c.bucket_mb)
+                                 first_compute_f, first_compute_b, c.bucket_mb, fsdp_copy_bytes)
     last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, spread("last_zero"),
-                                last_compute_f, last_compute_b, c.bucket_mb)
+                                last_compute_f, last_compute_b, c.bucket_mb, fsdp_copy_bytes)
 
     # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
     # unless the weight-gradient GEMM accumulates into it itself (its C operand, inside the GEMM's roofline)

@@ -116,7 +116,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
          max_micro_batch: int = MAX_MICRO_BATCH, overlap_grad_reduce: bool = True,
          fused_grad_accumulation: bool = False, stack: Stack | None = None,
          grad_reduce_bytes: int = 2, fused_rope: bool = True, fused_elementwise: bool = True,
-         distinct_layouts: bool = True) -> PlanResult:
+         distinct_layouts: bool = True, fsdp_version: int | None = None) -> PlanResult:
     """The `top` fastest (or cheapest per step) configurations that fit, each with why it beats the next.
 
     `distinct_layouts` (the default): each layout (TP x CP x PP x DP x EP on a node count) once, at its best
@@ -128,7 +128,8 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     `overlap_grad_reduce` and `fused_grad_accumulation` describe the software stack (ParallelSpec):
     they hold for every configuration searched, not searched over. `stack` (catalogue.toml [stacks]) keeps
     only the layouts that stack can run (its ZeRO stages, pipeline engine, TP / SP / CP, selective
-    recomputation); its figure and switches are the caller's to apply (`predictor.with_stack`).
+    recomputation); its figure and switches are the caller's to apply (`predictor.with_stack`), except
+    `fsdp_version`, which is the stack's where not given (0 without a stack).
     """
     if rank_by not in ("time", "cost"):
         raise ConfigError(f"by = {rank_by!r}: allowed: time, cost")
@@ -153,6 +154,8 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
         configs.overlap_grad_reduce, configs.fused_grad_accumulation = overlap_grad_reduce, fused_grad_accumulation
         configs.grad_reduce_bytes, configs.fused_rope = grad_reduce_bytes, fused_rope
         configs.fused_elementwise = fused_elementwise
+        configs.fsdp_version = fsdp_version if fsdp_version is not None else (
+            (stack.fsdp_version or 0) if stack is not None else 0)
         if len(configs):
             scored.append((sub, configs, evaluate(model, sub, configs)))
             evaluated += len(configs)

@@ -161,6 +161,9 @@ class ParallelSpec:
     FSDP's copy of each unit's 16-bit gradients into the fp32 reduce-scatter buffer).
     `fused_rope`: a rotary model's query/key rotation in one fused kernel (False: eager PyTorch's three passes).
     `fused_elementwise`: norms and SwiGLU in fused kernels (False: torchtitan's eager RMSNorm and SwiGLU passes).
+    `fsdp_version`: ZeRO-3 as PyTorch FSDP runs it, with its own copies on the compute stream (1: FSDP1's
+    gradient concatenation, llm-foundry; 2: FSDP2's all-gather copy-out and reduce-scatter copy-in, torchtitan);
+    0 prices none (the kernel ceiling). Set by a named stack.
     """
 
     tp: int = 1
@@ -180,6 +183,7 @@ class ParallelSpec:
     grad_reduce_bytes: int = 2
     fused_rope: bool = True
     fused_elementwise: bool = True
+    fsdp_version: int = 0
 
     @property
     def gpus(self) -> int:
