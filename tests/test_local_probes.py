@@ -102,3 +102,43 @@ def test_tp_prices_the_traced_all_reduces_and_dtensor_dispatch():
     halved = _tp({**PROFILE, "tp": {"ws2": {**TP_PROBE["ws2"], "all_reduce_activation_ratio": 0.5}}}, **GPT_SIZES)
     half_s = message_s(CalibrationProfile.coerce(PROFILE), "all_reduce", 16 * 64 * 128 * 2, 2, None)
     assert probed["step_s"] - halved["step_s"] == pytest.approx(4 * 4 * (all_reduce_s - half_s))
+
+
+def _pipeline(schedule: str = "gpipe", profile: dict = PROFILE, sizes: bool = True, **knobs) -> dict:
+    config = _config("pipeline", 2, schedule=schedule, micro_batches=4, **knobs)
+    if sizes:
+        config["workload"].update(GPT_SIZES)
+    return predict_local(config, {}, {**FACTS, "fsdp_units": [100, 100, 100, 100, 10]}, profile)
+
+
+def test_pipeline_plays_the_schedule_with_the_sends_between_stages():
+    """GPipe, 2 stages, 4 micro-batches of forward F and backward B: makespan (m + p - 1)(F + B) + 2 sends (the
+    fill's last activation, the drain's first gradient), so the busiest rank idles (F + B) + 2 x one p2p
+    message of batch / m x seq x hidden fp32; without the workload's sizes the sends are not priced."""
+    from ddlscope.calibrate.model import message_s
+    from ddlscope.calibrate.profile import CalibrationProfile
+
+    send_s = message_s(CalibrationProfile.coerce(PROFILE), "p2p", 16 / 4 * 64 * 128 * 4, 2, None)
+    priced = _pipeline()["breakdown_s"]
+    unpriced = _pipeline(sizes=False)["breakdown_s"]
+    per_micro_batch_s = (priced["forward_s"] + priced["backward_s"]) / 4
+    assert unpriced["comm_wait_s"] == pytest.approx(per_micro_batch_s)  # (p - 1) / m of the compute
+    assert priced["comm_wait_s"] == pytest.approx(per_micro_batch_s + 2 * send_s)
+    # 1F1B's steady state waits for each gradient's send: more than GPipe's two
+    assert _pipeline("1f1b")["breakdown_s"]["comm_wait_s"] > priced["comm_wait_s"] + send_s
+
+
+def test_pipeline_recompute_runs_the_busiest_ranks_recomputed_stage_forwards_again():
+    plain = _pipeline("1f1b")["breakdown_s"]
+    compute_s = plain["forward_s"] + plain["backward_s"]  # a rank's half of the model, forward 1/3 of it
+
+    def extra_s(schedule: str, recompute: list[int], **knobs) -> float:
+        b = _pipeline(schedule, recompute=recompute, **knobs)["breakdown_s"]
+        return b["forward_s"] + b["backward_s"] - compute_s
+
+    assert extra_s("1f1b", [0]) == pytest.approx(compute_s / 3)
+    assert extra_s("1f1b", [0, 1]) == pytest.approx(compute_s / 3)  # one stage on each rank
+    # interleaved, 2 chunks: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3, each a quarter of the model
+    assert extra_s("interleaved", [0, 1], chunks=2) == pytest.approx(compute_s / 6)
+    assert extra_s("interleaved", [0, 2], chunks=2) == pytest.approx(compute_s / 3)
+

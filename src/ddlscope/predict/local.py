@@ -70,6 +70,7 @@ from ddlscope.calibrate.model import (
     optimizer_kind, oversubscription_of, required, sync_at)
 from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.predict.estimators import LocalCase, LocalStep, estimator_for
+from ddlscope.predict.estimators.base import forward_share
 from ddlscope.specs import STRATEGY_SPECS, ConfigError, StrategySpec, describe_validation_error
 from ddlscope.specs.registry import UnknownPluginError
 
@@ -137,14 +138,6 @@ def kernels_side_by_side(facts: dict[str, Any], world: int) -> dict[str, Any] | 
     if together is None or int(together["processes"]) != world:
         return None
     return together
-
-
-def forward_share(facts: dict[str, Any]) -> float:
-    """Forward's part of forward + backward: as timed where the kernels were, else the FLOPs' 1 in 3."""
-    kernels = facts.get("kernels")
-    if kernels and kernels["forward_s"] + kernels["backward_s"] > 0:
-        return float(kernels["forward_s"] / (kernels["forward_s"] + kernels["backward_s"]))
-    return 1 / 3
 
 
 def model_state_bytes(config: dict[str, Any], facts: dict[str, Any]) -> dict[str, dict[str, int]]:

@@ -10,7 +10,9 @@ order out under the data dependencies:
 
     F(s, i) after F(s - 1, i);   B/I(s, i) after F(s, i) and B/I(s + 1, i);   W(s, i) after I(s, i)
 
-and returns each rank's busy and idle time (sends and receives taking no time).
+and returns each rank's busy and idle time. A dependency on another stage's
+action (an activation received, a gradient received) is ready `transfer_s`
+after that action ends (0 by default: sends and receives taking no time).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ class Timeline:
         return (self.makespan_s - self.busy_s[rank]) / self.busy_s[rank]
 
 
-def simulate(orders: Sequence[Sequence[Action]], duration_s: Callable[[Action], float], stages: int) -> Timeline:
-    """Play each rank's order out; raises ValueError on an order that deadlocks."""
+def simulate(orders: Sequence[Sequence[Action]], duration_s: Callable[[Action], float], stages: int,
+             transfer_s: float = 0.0) -> Timeline:
+    """Play each rank's order out, a transfer taking `transfer_s` between stages; raises ValueError on an
+    order that deadlocks."""
     done: dict[Action, float] = {}
     clock = [0.0] * len(orders)
     busy = [0.0] * len(orders)
@@ -49,7 +53,7 @@ def simulate(orders: Sequence[Sequence[Action]], duration_s: Callable[[Action], 
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 action = order[position[rank]]
-                ready = _ready_s(action, done, stages)
+                ready = _ready_s(action, done, stages, transfer_s)
                 if ready is None:
                     break
                 start = max(clock[rank], ready)
@@ -64,8 +68,9 @@ def simulate(orders: Sequence[Sequence[Action]], duration_s: Callable[[Action], 
     return Timeline(busy, clock)
 
 
-def _ready_s(action: Action, done: dict[Action, float], stages: int) -> float | None:
-    """When the action's inputs are ready, None while one is still to run."""
+def _ready_s(action: Action, done: dict[Action, float], stages: int, transfer_s: float = 0.0) -> float | None:
+    """When the action's inputs are ready (another stage's output `transfer_s` after it ends), None while one
+    is still to run."""
     kind, stage, mb = action
     if kind == "F":
         needs = [("F", stage - 1, mb)] if stage > 0 else []
@@ -79,7 +84,7 @@ def _ready_s(action: Action, done: dict[Action, float], stages: int) -> float | 
     for need in needs:
         if need not in done:
             return None
-        times.append(done[need])
+        times.append(done[need] + (transfer_s if need[1] != stage else 0.0))
     return max(times, default=0.0)
 
 

@@ -160,6 +160,23 @@ class Estimator:
         return {"worker": {"parameters": full, "gradients": full, "optimizer": state_tensors(case) * full}}
 
 
+def forward_share(facts: dict[str, Any]) -> float:
+    """Forward's part of forward + backward: as timed where the kernels were, else the FLOPs' 1 in 3."""
+    kernels = facts.get("kernels")
+    if kernels and kernels["forward_s"] + kernels["backward_s"] > 0:
+        return float(kernels["forward_s"] / (kernels["forward_s"] + kernels["backward_s"]))
+    return 1 / 3
+
+
+def gpt_sizes(workload: dict[str, Any]) -> tuple[int, float] | None:
+    """(blocks, elements of one block's activations: batch x seq_len x hidden) from a GPT workload's config;
+    None where the config does not say them (a Hugging Face model's come from its own config)."""
+    try:
+        return int(workload["layers"]), float(workload["batch_size"] * workload["seq_len"] * workload["hidden"])
+    except (KeyError, TypeError):
+        return None
+
+
 def state_tensors(case: LocalCase) -> int:
     """Optimizer state tensors per parameter (SGD none, momentum one, Adam two)."""
     return STATE_TENSORS[case.optimizer_kind]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 
+from ddlscope.calibrate.model import message_s
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
-    ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors)
+    ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, forward_share, gpt_sizes, state_tensors)
 from ddlscope.predict.partition import bubble_fraction, in_flight
+from ddlscope.predict.schedule_sim import simulate, single_stage_orders
 from ddlscope.specs.strategies.pipeline import PipelineSpec
 
 
@@ -67,13 +69,48 @@ class PipelineEstimator(Estimator):
         mine = int(case.param_bytes / spec.pipeline_ranks(case.world))
         return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
 
+    def local_compute_extra_s(self, spec: PipelineSpec, case: LocalCase) -> tuple[float, list[str]]:
+        """Recompute: a recomputing stage runs its forward again in backward (torch.utils.checkpoint). The
+        busiest rank's: its stages' forwards (stages of equal compute) among `recompute`, at its stretch."""
+        if not spec.recompute:
+            return 0.0, []
+        p, v = spec.pipeline_ranks(case.world), spec.chunks
+        per_stage_forward_s = case.alone_s * forward_share(case.facts) * case.side_by_side_stretch() / (p * v)
+        recomputing = max(sum(1 for s in range(rank, p * v, p) if s in spec.recompute) for rank in range(p))
+        extra_s = recomputing * per_stage_forward_s
+        return extra_s, [f"pipeline: recompute: {recomputing} stage forward(s) again in the busiest rank's "
+                         f"backward, {extra_s * 1e3:.2f} ms"]
+
     def local_comm(self, spec: PipelineSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        """The bubble, as waiting, on the compute the local model gives one rank. The sends between
-        stages are left out (on loopback they are a small part of the waits; docs/modelparallel.md)."""
-        p = spec.pipeline_ranks(case.world)
-        idle_s = (step.forward_s + step.backward_s) * bubble_fraction(p, spec.micro_batches, spec.chunks,
-                                                                      spec.schedule)
-        notes = ["pipeline: the bubble priced from the schedule's formula; the sends between stages are not priced"]
+        """The bubble and the transfers between stages, as waiting. GPipe and 1F1B: torch's action order
+        played out (predict/schedule_sim.py) with the rank's forward and backward per micro-batch (stages
+        of equal compute) and each activation or gradient reaching the next stage one calibrated p2p
+        message later (batch / m x seq x hidden fp32, a GPT's sizes from its config); the busiest rank's
+        idle. The multi-stage schedules (their order is torch's, not known here): the formula's bubble
+        plus the fill's and drain's 2 (p v - 1) transfers."""
+        p, m, v = spec.pipeline_ranks(case.world), spec.micro_batches, spec.chunks
+        transfer_s, notes = stage_transfer_s(spec, case)
+        if v == 1:
+            per_action = {"F": step.forward_s / m, "B": step.backward_s / m}
+            timeline = simulate(single_stage_orders(spec.schedule, p, m), lambda a: per_action[a[0]], p, transfer_s)
+            busiest = max(range(p), key=lambda r: timeline.busy_s[r])
+            idle_s = timeline.makespan_s - timeline.busy_s[busiest]
+            notes.append(f"pipeline: {spec.schedule}'s order played out: idle {idle_s * 1e3:.2f} ms a step")
+        else:
+            idle_s = ((step.forward_s + step.backward_s) * bubble_fraction(p, m, v, spec.schedule)
+                      + 2 * (p * v - 1) * transfer_s)
+            notes.append(f"pipeline: {spec.schedule}'s bubble from its formula, + {2 * (p * v - 1)} transfers")
         if spec.dp > 1:
             notes.append("pipeline dp > 1: the replicas' gradient all-reduce is not priced on this machine")
         return LocalComm(idle_s, notes=notes)
+
+
+def stage_transfer_s(spec: PipelineSpec, case: LocalCase) -> tuple[float, list[str]]:
+    """One micro-batch's activations (or their gradient) from a stage to the next: a calibrated p2p message
+    (the emulated link's time where slower); 0 where the workload's config does not give a GPT's sizes."""
+    sizes = gpt_sizes(case.workload)
+    if sizes is None:
+        return 0.0, ["pipeline: the workload's sizes are not in its config: the sends between stages are not priced"]
+    payload_bytes = sizes[1] / spec.dp / spec.micro_batches * 4
+    transfer_s = message_s(case.profile, "p2p", payload_bytes, 2, case.link)
+    return transfer_s, [f"pipeline: a stage's send {payload_bytes / 1e3:.0f} kB, {transfer_s * 1e3:.2f} ms"]

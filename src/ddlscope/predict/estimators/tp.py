@@ -10,7 +10,7 @@ from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
-    ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, state_tensors)
+    ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, gpt_sizes, state_tensors)
 from ddlscope.specs.strategies.tp import TPSpec
 
 
@@ -101,15 +101,6 @@ class TPEstimator(Estimator):
 # Megatron-LM's layout: the attention's and the MLP's row-parallel outputs in forward, the column-parallel
 # inputs' gradients in backward (what the probe's trace of torch's plan counts too).
 MEGATRON_BLOCK_ALL_REDUCES = 4
-
-
-def gpt_sizes(workload: dict) -> tuple[int, float] | None:
-    """(blocks, elements of one block's activations: batch x seq_len x hidden) from a GPT workload's config;
-    None where the config does not say them (a Hugging Face model's come from its own config)."""
-    try:
-        return int(workload["layers"]), float(workload["batch_size"] * workload["seq_len"] * workload["hidden"])
-    except (KeyError, TypeError):
-        return None
 
 
 def _rank_param_bytes(spec: TPSpec, case: LocalCase) -> float:
