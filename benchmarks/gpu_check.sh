@@ -12,6 +12,9 @@
 #      layer shapes, unfused softmax + dropout, FlashAttention, element-wise passes, copy, fused AdamW,
 #      and whole GPT blocks forward + backward) timed on the GPU beside the model's price for it
 #      (about 2 minutes)
+#   6. docs/profile.md on the GPU: `calibrate --model` of 3 models (the GPT above, resnet-cifar at width 64,
+#      hf:llama at hidden 512) beside one rank of ddp run for real: the layers' sum vs the whole step
+#      (per-layer overhead), and the profile's forward + backward vs the run's measured ones
 #
 # On the device machine (python3 there holds a CUDA torch; pydantic may have to travel as wheels
 # in .whl, see the device tool's README):
@@ -77,4 +80,29 @@ else
     timeout 180 "$PY" benchmarks/kernel_rates.py --device cpu --against h100 --quick --json "$OUT/kernels.json" \
         2>&1 | tail -8 || echo "kernel check failed"
 fi
+echo "== 6. model profiles (calibrate --model) vs one measured rank (docs/profile.md)"
+MODELS=("gpt-synthetic ${SHAPE[*]}"
+        "resnet-cifar --set workload.width=64 --set workload.blocks=2 --set workload.batch_size=64"
+        "hf:llama --set workload.hidden=512 --set workload.layers=4 --set workload.heads=8 --set workload.seq_len=256")
+for i in "${!MODELS[@]}"; do
+    read -r -a M <<< "${MODELS[$i]}"
+    timeout 120 "$PY" -m ddlscope calibrate --model "${M[@]}" --repeats 10 -o "$OUT/profile$i.json" > /dev/null \
+        || { echo "${M[0]}: profile failed"; continue; }
+    timeout 120 "$PY" -m ddlscope run -w "${M[@]}" -s ddp -n 1 --steps "$STEPS" --set cluster.device="$DEVICE" \
+        --db "$OUT/gpu.db" --json -q > "$OUT/run$i.json" || echo "${M[0]}: run failed"
+    "$PY" - "$OUT/profile$i.json" "$OUT/run$i.json" <<'EOF'
+import json, sys
+p = json.load(open(sys.argv[1]))
+step = p["step"]["forward_s"] + p["step"]["backward_s"]
+print(f"{p['workload']['name']} on {p['device']['name']} ({p['split'][:40]}): {len(p['layers']['name'])} pieces sum "
+      f"{p['layers_sum_s'] * 1e3:.2f} ms, whole step {step * 1e3:.2f} ms, overhead {p['overhead_s'] * 1e3:+.2f} ms")
+try:
+    b = json.load(open(sys.argv[2]))["breakdown_mean_s"]
+    run = b["forward_s"] + b["backward_s"]
+    print(f"  measured rank forward + backward {run * 1e3:.2f} ms: profile {step / run - 1:+.1%}, layers' sum "
+          f"{p['layers_sum_s'] / run - 1:+.1%}")
+except (OSError, ValueError, KeyError):
+    pass
+EOF
+done
 echo "results in $OUT"

@@ -321,6 +321,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "calibrate-past-machine": (["calibrate", "--world-sizes", "100000"], "--world-sizes"),
     "calibrate-missing-folder": (["calibrate", "-o", "missing/c.toml"], "missing"),
     "calibrate-db-is-folder": (["calibrate", "--db", "dir.db"], "dir.db"),
+    "calibrate-model-unknown": (["calibrate", "--model", "nosuch"], "workload.name"),
+    "calibrate-model-batch-zero": (["calibrate", "--model", "gpt-synthetic", "--batch", "0"], "--batch"),
+    "predict-profile-missing": (["predict", "--profile", "nope.toml"], "--profile"),
+    "predict-profile-not-a-profile": (["predict", "--profile", "ok.toml"], "--profile"),
     # ---- slurm
     "slurm-zero-nodes": (["slurm", "ok.toml", "--nodes", "0", "--procs-per-node", "2"], "--nodes 0"),
     "slurm-job-name-newline": (["slurm", *SLURM, "--job-name", "a\nb"], "--job-name"),
