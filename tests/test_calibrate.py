@@ -151,6 +151,7 @@ def test_calibrate_quick_writes_a_profile(tmp_path: Path):
     fsdp = profile["fsdp"]["ws2"]
     assert len(fsdp["unit_bytes"]) == len(fsdp["unit_overhead_s"]) == 2  # quick: two unit sizes
     assert all(t > 0 for t in fsdp["unit_overhead_s"])  # fully_shard costs something per unit
+    assert fsdp["unit_tensor_s"] >= 0  # per parameter tensor beyond a Linear's 2 in a unit
     # SGD on DTensor shards: every op through DTensor's dispatch, dearer per tensor than on plain tensors
     plain_tensor_s = profile["compute"]["optimizer_tensor_s"]
     assert 1.5 * plain_tensor_s < fsdp["optimizer_tensor_s"] < 1000 * plain_tensor_s

@@ -142,3 +142,16 @@ def test_pipeline_recompute_runs_the_busiest_ranks_recomputed_stage_forwards_aga
     assert extra_s("interleaved", [0, 1], chunks=2) == pytest.approx(compute_s / 6)
     assert extra_s("interleaved", [0, 2], chunks=2) == pytest.approx(compute_s / 3)
 
+
+def test_fsdp_prices_the_unit_tensors_beyond_the_probes_two():
+    """FACTS: 4 tensors in 2 units (the root has none), i.e. none beyond 2 a unit; with 10 tensors, 6 beyond,
+    each at the probe's unit_tensor_s; a calibration without the figure prices none."""
+    fsdp_probe = {"ws2": {"unit_bytes": [1000, 100000], "unit_overhead_s": [1e-4, 2e-4], "unit_tensor_s": 5e-5}}
+    many = {**FACTS, "param_numel": FACTS["param_numel"] + [8] * 6, "param_dim0": FACTS["param_dim0"] + [8] * 6}
+
+    def comm_s(facts: dict, probe: dict) -> float:
+        return predict_local(_config("fsdp", 2), {}, facts, {**PROFILE, "fsdp": probe})["breakdown_s"]["comm_wait_s"]
+
+    without = {"ws2": {k: v for k, v in fsdp_probe["ws2"].items() if k != "unit_tensor_s"}}
+    assert comm_s(FACTS, fsdp_probe) == pytest.approx(comm_s(FACTS, without))
+    assert comm_s(many, fsdp_probe) - comm_s(many, without) == pytest.approx(6 * 5e-5)

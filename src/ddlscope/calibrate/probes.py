@@ -30,7 +30,9 @@ What is measured, each with one intra-op thread per process as training ranks us
   unwrapped; the difference is the strategy's cost as a step pays it (hooks,
   bucket or shard copies, the collectives, gloo's threads competing with the
   compute they overlap). DDP per step against the model's bytes, FSDP per
-  unit against the unit's bytes.
+  unit against the unit's bytes, and per parameter tensor in a unit beyond
+  a Linear's two (`unit_tensor_s`: units of 4 Linear layers against units of
+  one, at the smallest width).
 - a parameter server's transport round, per world size (`_incast_probe`):
   all ranks but the last push a header and a message to the last, which
   answers each; the round's time as the workers see it, at a few sizes,
@@ -400,8 +402,27 @@ def _strategy_probes(repeats: int, quick: bool) -> dict[str, dict[str, Any]]:
         fsdp["unit_bytes"].append(block_bytes)
         fsdp["unit_overhead_s"].append(fsdp_s / PROBE_BLOCKS)
     fsdp["optimizer_tensor_s"] = _sharded_optimizer_tensor_s(shard_blocks, repeats)
+    fsdp["unit_tensor_s"] = _fsdp_unit_tensor_s(shard_blocks, repeats)
     # The profile's sections of these names (calibrate/profile.py: DdpProbe, FsdpProbe).
     return dict(ddp=ddp, fsdp=fsdp)
+
+
+# Parameter tensors per unit of the second FSDP point: 4 Linear layers (8 tensors) against the width
+# probe's 1 (2), at the smallest width, where the bytes cost next to nothing.
+TENSOR_PROBE_LINEARS = 4
+
+
+def _fsdp_unit_tensor_s(shard: Any, repeats: int) -> float:
+    """FSDP2's cost per parameter tensor of a unit beyond what the unit costs (its hooks, the all-gather's
+    copy-in and copy-out and the gradients' copies are per tensor): units of TENSOR_PROBE_LINEARS Linear
+    layers against units of one, at the smallest probe width, the difference per extra tensor. A
+    convolutional block (weights, norms' scales and shifts) carries several times the width probe's two
+    tensors per unit."""
+    width = PROBE_WIDTHS[0]
+    one_s = _wrapped_step_overhead_s(width, shard, repeats)
+    many_s = _wrapped_step_overhead_s(width, shard, repeats, linears=TENSOR_PROBE_LINEARS)
+    extra_tensors = PROBE_BLOCKS * 2 * (TENSOR_PROBE_LINEARS - 1)
+    return max(many_s - one_s, 0.0) / extra_tensors
 
 
 def _sharded_optimizer_tensor_s(shard: Any, repeats: int) -> float:
@@ -583,8 +604,9 @@ def trace_tp_block(mesh: Any, ranks: int) -> dict[str, Any]:
             "all_reduce_activation_ratio": statistics.fmean(reduces) / activation if reduces else 0.0}
 
 
-def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
-    """Median forward + backward of the probe model wrapped minus unwrapped, the slowest rank's.
+def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int, linears: int = 1) -> float:
+    """Median forward + backward of the probe model (blocks of `linears` Linear+ReLU) wrapped minus
+    unwrapped, the slowest rank's.
 
     The two are stepped alternately, so that a change in what else the machine is doing lands on
     both sides of the difference rather than on one.
@@ -595,7 +617,9 @@ def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int) -> float:
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(PROBE_BLOCKS)])
+        return nn.Sequential(*[nn.Sequential(*[layer for _ in range(linears) for layer in
+                                               (nn.Linear(width, width), nn.ReLU())])
+                               for _ in range(PROBE_BLOCKS)])
 
     x = torch.randn(PROBE_BATCH, width)
     plain, wrapped = build(), wrap(build())

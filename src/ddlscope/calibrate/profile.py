@@ -138,6 +138,7 @@ class FsdpProbe(_Table):
     unit_bytes: Numbers | None = None
     unit_overhead_s: Numbers | None = None
     optimizer_tensor_s: Number | None = None  # plain SGD's step per DTensor-sharded parameter tensor
+    unit_tensor_s: Number | None = None  # forward + backward per parameter tensor of a unit beyond a Linear's 2
 
 
 class TpProbe(_Table):

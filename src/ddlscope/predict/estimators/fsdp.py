@@ -116,4 +116,22 @@ class FSDPEstimator(Estimator):
                 # the emulated link waits out its own time; the machine's fixed cost (the smallest unit's) remains
                 machine_s = max(machine_s, float(unit_s[0]) + link_s)
             comm.comm_s += machine_s
+        tensor_s = unit_tensors_s(case, units, probe)
+        if tensor_s:
+            comm.comm_s += tensor_s
+            comm.notes.append(f"fsdp: {extra_unit_tensors(case, units)} parameter tensors in units beyond the probe's "
+                              f"2 per unit, {tensor_s * 1e3:.2f} ms")
         return comm
+
+
+def extra_unit_tensors(case: LocalCase, units: list[int]) -> int:
+    """Parameter tensors the units hold beyond the probe's 2 per unit (a Linear's weight and bias): the
+    model's tensors less 2 per unit (the facts give tensors for the whole model, not per unit)."""
+    return max(len(case.facts["param_numel"]) - 2 * len(units), 0)
+
+
+def unit_tensors_s(case: LocalCase, units: list[int], probe: object) -> float:
+    """FSDP2's per-tensor cost (hooks, copy-in and copy-out per parameter) for the tensors beyond the probe's
+    per-unit two, at the calibrated `unit_tensor_s`; 0 for a calibration before that figure."""
+    per_tensor_s = getattr(probe, "unit_tensor_s", None)
+    return 0.0 if per_tensor_s is None else float(per_tensor_s) * extra_unit_tensors(case, units)
