@@ -375,8 +375,9 @@ def gradient_accumulation_s(accumulated_params, device: Device):
     return memory_bound_s(GRAD_ACCUMULATION_BYTES_PER_PARAM * np.asarray(accumulated_params, dtype=float), device)
 
 
-# PyTorch FSDP's own copies on the compute stream, per unsharded parameter of a unit, per micro-batch (ZeRO-3,
-# FULL_SHARD; `fsdp_version`: 0 prices none, the kernel ceiling). Counted from torch.distributed's code:
+# PyTorch FSDP's own copies on the compute stream, per unsharded parameter of a unit, per micro-batch (ZeRO 3,
+# FULL_SHARD, and ZeRO 2, SHARD_GRAD_OP; `fsdp_version`: 0 prices none, the kernel ceiling). Counted from
+# torch.distributed's code:
 #   FSDP1 (torch.distributed.fsdp, FlatParameter; llm-foundry / Composer): the unit's parameters are views of
 #     the gathered flat parameter (`_flat_param.py` _get_unflat_views_unaligned: torch.split, then view), so
 #     autograd's SplitWithSizesBackward concatenates their gradients into the flat gradient every backward:
@@ -384,19 +385,19 @@ def gradient_accumulation_s(accumulated_params, device: Device):
 #     cast runs on the post-backward stream, with the reduce-scatter.)
 #   FSDP2 (fully_shard; torchtitan): `foreach_all_gather_copy_out` splits the all-gather output into each
 #     parameter's tensor on the current stream (wait_for_unshard), read 2, write 2, at each of the micro-batch's
-#     two all-gathers (forward; backward, after reshard_after_forward); and `foreach_reduce` runs its
-#     reduce-scatter copy-in (`torch._chunk_cat` of the gradients into the reduce-dtype buffer) on the current
-#     stream before the reduce-scatter stream waits for it: read 2, write the reduce dtype's bytes.
+#     all-gathers (FULL_SHARD: forward and backward; without reshard_after_forward: forward only); and
+#     `foreach_reduce` runs its reduce-scatter copy-in (`torch._chunk_cat` of the gradients into the
+#     reduce-dtype buffer) on the current stream before the reduce-scatter stream waits for it: read 2, write
+#     the reduce dtype's bytes.
 FSDP1_GRADIENT_CAT_BYTES_PER_PARAM = 4.0
 FSDP2_COPY_OUT_BYTES_PER_PARAM = 4.0
-FSDP2_GATHERS_PER_MICRO_BATCH = 2
 
 
-def fsdp_copy_bytes_per_param(fsdp_version: int, reduce_bytes: float) -> float:
+def fsdp_copy_bytes_per_param(fsdp_version: int, reduce_bytes: float, gathers_per_micro_batch: int = 2) -> float:
     """Bytes per unsharded parameter per micro-batch that FSDP's own copies move on the compute stream."""
     if fsdp_version == 1:
         return FSDP1_GRADIENT_CAT_BYTES_PER_PARAM
     if fsdp_version == 2:
         copy_in = memory.GRAD_BYTES_PER_PARAM + reduce_bytes
-        return FSDP2_GATHERS_PER_MICRO_BATCH * FSDP2_COPY_OUT_BYTES_PER_PARAM + copy_in
+        return gathers_per_micro_batch * FSDP2_COPY_OUT_BYTES_PER_PARAM + copy_in
     return 0.0

@@ -318,22 +318,28 @@ def _zero_collectives_s(cluster: Cluster, x: _Shape, params, reduce_bytes: float
 
 
 def _zero_in_step_s(cluster: Cluster, x: _Shape, params, collectives, compute_f, compute_b, bucket_mb: float,
-                    fsdp_copy_bytes: float = 0.0):
+                    fsdp_version: int = 0, reduce_bytes: float = 2.0):
     """ZeRO-2/3 traffic per micro-batch that compute could not hide (`collectives`: _zero_collectives_s's), and
-    at ZeRO-3 FSDP's own copies on the compute stream (`fsdp_copy_bytes` per parameter on the GPU)."""
+    under PyTorch FSDP (`fsdp_version` 1 or 2) its own copies on the compute stream (compute.py)."""
     gather, scatter, latency = collectives
     shard_bytes = params * memory.WEIGHT_BYTES_PER_PARAM
     # ZeRO-3 / FSDP: prefetch hides each layer's gather behind the previous layer's compute,
     # except the first unit's; backward gathers again and reduce-scatters gradients.
     # Each overlapped collective also holds NCCL's SMs while the compute beside it runs (sm_contention_s).
     sms = cluster.device.efficiency.sms
-    stage3 = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
-              + np.maximum(gather + scatter - compute_b, 0.0)
-              + coll.sm_contention_s(gather, compute_f, sms) + coll.sm_contention_s(gather + scatter, compute_b, sms)
-              + compute.memory_bound_s(params * fsdp_copy_bytes, cluster.device))
-    # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward.
+    forward_gathers = (np.maximum(gather - compute_f, 0.0) + gather / (x.layers_per_stage + 1)
+                       + coll.sm_contention_s(gather, compute_f, sms))
+    copies_s = lambda gathers: compute.memory_bound_s(  # noqa: E731
+        params * compute.fsdp_copy_bytes_per_param(fsdp_version, reduce_bytes, gathers), cluster.device)
+    stage3 = (forward_gathers + np.maximum(gather + scatter - compute_b, 0.0)
+              + coll.sm_contention_s(gather + scatter, compute_b, sms) + copies_s(2))
+    # ZeRO-2: gradients reduce-scattered in buckets behind every micro-batch's backward. FSDP's SHARD_GRAD_OP
+    # also gathers the parameters for every micro-batch's forward (and keeps them through its backward): its
+    # weights are not whole between micro-batches, as DeepSpeed's ZeRO-2 keeps them.
     stage2 = (coll.bucketed_overlap_exposed_s(scatter, latency, np.ceil(shard_bytes / (bucket_mb * 1e6)), compute_b)
               + coll.sm_contention_s(scatter, compute_b, sms))
+    if fsdp_version:
+        stage2 = stage2 + forward_gathers + copies_s(1)
     return np.where(x.zero == 3, stage3, np.where(x.zero == 2, stage2, 0.0))
 
 
@@ -360,7 +366,10 @@ def _data_parallel_sync_s(cluster: Cluster, x: _Shape, params, collectives, back
         reduce = (coll.bucketed_overlap_exposed_s(reduce, latency, np.ceil(grad_bytes / (c.bucket_mb * 1e6)),
                                                   backward_s)
                   + coll.sm_contention_s(reduce, backward_s, cluster.device.efficiency.sms))
-    return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, gather, 0.0)))
+    # ZeRO-2 gathers the updated weights once after the step; FSDP's SHARD_GRAD_OP at the next forward instead
+    zero2_gather = 0.0 if c.fsdp_version else gather
+    return np.where(x.zero == 0, reduce, np.where(x.zero == 1, reduce + gather, np.where(x.zero == 2, zero2_gather,
+                                                                                           0.0)))
 
 
 def _collectives_s(model: ModelSpec, cluster: Cluster, x: _Shape, reduce_bytes: float = 2.0,
@@ -450,11 +459,11 @@ def evaluate(model: ModelSpec, cluster: Cluster, c: ConfigArrays) -> dict[str, n
     p2p_mb = np.where(single, 0.0, 2 * x.v * spread("p2p_chunk"))
 
     first_params, last_params, embedding_here, experts_here = _stage_params(model, x)
-    fsdp_copy_bytes = compute.fsdp_copy_bytes_per_param(int(c.fsdp_version), float(c.grad_reduce_bytes))
+    fsdp = (int(c.fsdp_version), float(c.grad_reduce_bytes))
     first_zero = _zero_in_step_s(cluster, x, first_params + experts_here, spread("first_zero"),
-                                 first_compute_f, first_compute_b, c.bucket_mb, fsdp_copy_bytes)
+                                 first_compute_f, first_compute_b, c.bucket_mb, *fsdp)
     last_zero = _zero_in_step_s(cluster, x, last_params + experts_here, spread("last_zero"),
-                                last_compute_f, last_compute_b, c.bucket_mb, fsdp_copy_bytes)
+                                last_compute_f, last_compute_b, c.bucket_mb, *fsdp)
 
     # every micro-batch adds its weight gradients into the step's buffer (ZeRO-2/3: into the rank's shard),
     # unless the weight-gradient GEMM accumulates into it itself (its C operand, inside the GEMM's roofline)
