@@ -155,3 +155,33 @@ def test_fsdp_prices_the_unit_tensors_beyond_the_probes_two():
     without = {"ws2": {k: v for k, v in fsdp_probe["ws2"].items() if k != "unit_tensor_s"}}
     assert comm_s(FACTS, fsdp_probe) == pytest.approx(comm_s(FACTS, without))
     assert comm_s(many, fsdp_probe) - comm_s(many, without) == pytest.approx(6 * 5e-5)
+
+
+def test_omnivore_leaders_reach_the_servers_apart():
+    """Two groups of two: the leaders' ps-async exchange without the equal workers' queue (one service of
+    the round's two, half of it), the group's all-reduce and broadcast blocking; a group of one (ps-async)
+    keeps the queue. The ps-async term with staggered=False is the same formula, one queue more."""
+    from dataclasses import replace
+
+    from ddlscope.calibrate.model import message_s
+    from ddlscope.calibrate.profile import CalibrationProfile
+    from ddlscope.predict.estimators.base import LocalStep
+    from ddlscope.predict.estimators.ps import PSAsyncEstimator
+    from ddlscope.predict.local import local_case
+    from ddlscope.specs.strategies.ps import PSAsyncSpec
+
+    config = _config("omnivore", 4, groups=2)
+    omnivore = predict_local(config, {}, FACTS, PROFILE)
+    case = local_case(config, {}, FACTS, PROFILE)
+    b = omnivore["breakdown_s"]
+    step = LocalStep(1.0, b["forward_s"], b["backward_s"], len(FACTS["param_numel"]) * 2e-6)
+    profile = CalibrationProfile.coerce(PROFILE)
+    group_s = (message_s(profile, "all_reduce", case.param_bytes, 2, None)
+               + message_s(profile, "broadcast", case.param_bytes, 2, None) + 4 * case.param_bytes / 1e10)
+    leaders = replace(case, world=2)
+    staggered = PSAsyncEstimator().local_comm(PSAsyncSpec(), leaders, step, group_s, staggered=True).comm_s
+    together = PSAsyncEstimator().local_comm(PSAsyncSpec(), leaders, step, group_s).comm_s
+    assert together > staggered  # the queue behind the other leader
+    sync_s = omnivore["sync_overhead_s"]
+    turn_s = b["comm_wait_s"] - staggered - group_s - sync_s
+    assert turn_s == pytest.approx(0.0, abs=1e-12)  # 4 ranks on 8 cores: no turn-taking

@@ -85,19 +85,30 @@ class OmnivoreEstimator(PSEstimator):
         return worker + 2 * case.workload.params * case.weight_bytes_per_param, server
 
     def local_comm(self, spec: OmnivoreSpec, case: LocalCase, step: LocalStep) -> LocalComm:  # type: ignore[override]
+        """A group's step, all of it blocking (strategies/omnivore.py): the gradient all-reduce inside the
+        group, the leader's push and pull (the members wait in the broadcast meanwhile), the model's
+        broadcast. Across groups nothing blocks: one group's exchange with the servers runs while another
+        averages or broadcasts, so the leaders (ps-async's clients, with the group's collectives in their
+        cycle) are staggered and queue at the servers only when these are saturated, not behind every
+        other leader as equal ps-async workers do."""
         k = spec.groups
         size = case.world // k
+        group_s = 0.0
+        if size > 1:
+            all_reduce_s = message_s(case.profile, "all_reduce", case.param_bytes, size, case.link)
+            broadcast_s = message_s(case.profile, "broadcast", case.param_bytes, size, case.link)
+            copies_s = 2 * 2 * case.param_bytes / case.memory_bandwidth_bytes_per_s * step.stretch
+            group_s = all_reduce_s + broadcast_s + copies_s
         # The servers hear from the k leaders: ps-async's round with k clients (ps-sync's for one group).
         leaders = replace(case, world=k)
         if k == 1:
             comm = PSSyncEstimator().local_comm(PSSyncSpec(servers=spec.servers), leaders, step)
         else:
-            comm = PSAsyncEstimator().local_comm(PSAsyncSpec(servers=spec.servers), leaders, step)
+            comm = PSAsyncEstimator().local_comm(PSAsyncSpec(servers=spec.servers), leaders, step,
+                                                 between_pushes_s=group_s, staggered=size > 1)
         if size > 1:
-            all_reduce_s = message_s(case.profile, "all_reduce", case.param_bytes, size, case.link)
-            broadcast_s = message_s(case.profile, "broadcast", case.param_bytes, size, case.link)
-            copies_s = 2 * 2 * case.param_bytes / case.memory_bandwidth_bytes_per_s * step.stretch
-            comm.comm_s += all_reduce_s + broadcast_s + copies_s
+            comm.comm_s += group_s
             comm.notes.append(f"omnivore: inside a group of {size}, the gradient all-reduce {all_reduce_s * 1e3:.2f} ms "
-                              f"and the model broadcast {broadcast_s * 1e3:.2f} ms")
+                              f"and the model broadcast {broadcast_s * 1e3:.2f} ms; the {k} leaders reach the "
+                              f"servers apart, queueing only where these are saturated")
         return comm

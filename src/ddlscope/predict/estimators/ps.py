@@ -125,13 +125,16 @@ class PSEstimator(Estimator):
         return {"worker": {"parameters": full, "gradients": full, "optimizer": 0},
                 "server": {"parameters": server_shard, "optimizer": state_tensors(case) * server_shard}}
 
-    def local_comm(self, spec: PSSpec, case: LocalCase, step: LocalStep) -> LocalComm:
+    def local_comm(self, spec: PSSpec, case: LocalCase, step: LocalStep, between_pushes_s: float = 0.0,
+                   staggered: bool = False) -> LocalComm:
         """Each worker flattens its gradients, pushes them (a header and a data message) and pulls the
         parameters through the server's link, which serialises the workers: a round of all pushes and
         answers from the calibrated transport probe (sync: the round, one update; async: workers of
         equal speed arrive together and are served in turn, so the mean one queues behind half of the
         others, and a step lasts at least workers x (its share of the round + update)), then
-        unflattens them."""
+        unflattens them. `between_pushes_s`: a client's other blocking work between two pushes (an
+        omnivore group's all-reduce and broadcast), in its cycle; `staggered`: clients that such work
+        keeps apart do not arrive together, so they queue only when the server is saturated."""
         world, servers, mem_bw = case.world, spec.servers, case.memory_bandwidth_bytes_per_s
         per_server = case.param_bytes / servers
         apply_s = case.per_tensor_s + server_apply_passes(spec, world, case.optimizer_kind) * per_server / mem_bw
@@ -150,8 +153,9 @@ class PSEstimator(Estimator):
             # Equal workers arrive together and are served in turn: the mean one waits for half of
             # the others; a saturated server (its work per round longer than a worker's cycle) more.
             service_s = round_s / clients + apply_s
-            cycle = step.forward_s + step.backward_s + step.zero_grad_s + flatten_s + service_s
-            queue_s = max((clients - 1) / 2 * service_s, clients * service_s - cycle)
+            cycle = step.forward_s + step.backward_s + step.zero_grad_s + flatten_s + service_s + between_pushes_s
+            together_s = 0.0 if staggered else (clients - 1) / 2 * service_s
+            queue_s = max(together_s, clients * service_s - cycle)
             comm_s = service_s + flatten_s + max(queue_s, 0.0)
         # The transport probe's rounds with compute hold the wait for the other workers' pushes.
         comm = LocalComm(comm_s, holds_sync_wait=ps_compute_stretch(case.profile, case.world, case.alone_s) is not None)
