@@ -157,7 +157,8 @@ def test_plan_only_returns_configurations_within_device_memory():
 def test_each_layout_is_shown_once_at_its_best_configuration():
     """A 1B GPT on one 8-GPU node: each TP x CP x PP x DP layout is one row, the fastest of its configurations
     (micro-batch, ZeRO, recomputation, SP, interleaving, schedule), and every layout that fits has a row when
-    `top` asks for all of them (the search widens its first slice of ~8 per row until it holds enough)."""
+    `top` asks for all of them (the search widens its first slice of ~8 per row until it holds enough); asked
+    for more rows than layouts fit, it ranks every configuration."""
     model = ModelSpec(hidden=2048, heads=16, layers=24, seq=2048, vocab=51200, global_batch=256)
     cluster = parse_cluster("h100:1x8")
     configs = candidate_configs(model, cluster)
@@ -167,10 +168,13 @@ def test_each_layout_is_shown_once_at_its_best_configuration():
         key = (int(configs.tp[i]), int(configs.cp[i]), int(configs.pp[i]), int(configs.dp[i]))
         best[key] = min(best.get(key, np.inf), float(out["step_time_s"][i]))
     assert len(best) > 10 and len(configs) > 100 * len(best)  # many configurations per layout
-    rows = plan(model, cluster, top=100).rows
+    rows = plan(model, cluster, top=len(best)).rows
     got = {(r.prediction.parallel["tp"], r.prediction.parallel["cp"], r.prediction.parallel["pp"],
             r.prediction.parallel["dp"]): r.prediction.step_time_s for r in rows}
     assert len(got) == len(rows) == len(best)
     assert got == pytest.approx(best, rel=1e-12)
-    every = plan(model, cluster, top=100, distinct_layouts=False).rows
-    assert len(every) == 100 and len({tuple(r.prediction.parallel.values()) for r in every}) == 100
+    assert rows[-1].why == "no other layout fits" and rows[-2].why.startswith("beats next")
+    every = plan(model, cluster, top=len(best) + 1, distinct_layouts=False).rows
+    assert len({tuple(r.prediction.parallel.values()) for r in every}) == len(best) + 1
+    assert [r.prediction.parallel for r in plan(model, cluster, top=len(best) + 1).rows] == \
+        [r.prediction.parallel for r in every]  # more rows than layouts: every configuration, ranked

@@ -122,6 +122,7 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     `distinct_layouts` (the default): each layout (TP x CP x PP x DP x EP on a node count) once, at its best
     micro-batch, ZeRO stage, recomputation, SP, interleaving and schedule: the same split of the cluster at ZeRO
     1 and ZeRO 0 (a step 0.01 s apart) is one choice to a user, not two rows; `why` then compares layouts.
+    Where fewer layouts fit than `top`, every configuration is ranked instead (rows of one layout included).
 
     Ranking by cost also tries every smaller whole number of nodes that divides
     the cluster: fewer GPUs can cost less per step even when each step is slower.
@@ -166,6 +167,8 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
     feasible = int(sum(int(np.count_nonzero(out["fits"])) for _, _, out in scored))
     if not feasible:
         return PlanResult(str(cluster), rank_by, evaluated, 0, search_s)
+    # fewer layouts fit than rows asked for (an FSDP-only stack on one node has one): every configuration
+    distinct_layouts = distinct_layouts and _fitting_layouts(scored) >= top
     order = _best_first(scored, key, top + 1, distinct_layouts)
     rows = []
     for r, (k, i) in enumerate(order[:top]):
@@ -173,9 +176,25 @@ def plan(model: ModelSpec, cluster: Cluster, top: int = 5, rank_by: RankBy = "ti
         pred = with_ranges(prediction_from_arrays(out, i, model, configs.spec(i), sub, spot), model, sub,
                            configs.take(np.array([i])))
         runner_up = order[r + 1] if r + 1 < len(order) else None
-        why = _why(scored, (k, i), runner_up, key) if runner_up else "no other configuration fits"
+        why = (_why(scored, (k, i), runner_up, key) if runner_up
+               else f"no other {'layout' if distinct_layouts else 'configuration'} fits")
         rows.append(PlanRow(rank=r + 1, prediction=pred, why=why))
     return PlanResult(str(cluster), rank_by, evaluated, feasible, search_s, rows)
+
+
+LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "ep")
+
+
+def _layouts(scored) -> np.ndarray:
+    """One row per configuration of `scored`: its cluster's index, then its LAYOUT_FIELDS."""
+    owner = np.concatenate([np.full(len(c), k) for k, (_, c, _) in enumerate(scored)])
+    return np.stack([owner, *(np.concatenate([getattr(c, name) for _, c, _ in scored]).astype(np.int64)
+                              for name in LAYOUT_FIELDS)], axis=1)
+
+
+def _fitting_layouts(scored) -> int:
+    fits = np.concatenate([out["fits"] for _, _, out in scored])
+    return len(np.unique(_layouts(scored)[fits], axis=0))
 
 
 def _best_first(scored, key: str, count: int, distinct_layouts: bool = False) -> list[tuple[int, int]]:
@@ -190,8 +209,7 @@ def _best_first(scored, key: str, count: int, distinct_layouts: bool = False) ->
     memory = np.concatenate([out["memory_bytes"] for _, _, out in scored])
     owner = np.concatenate([np.full(len(out[key]), k) for k, (_, _, out) in enumerate(scored)])
     local = np.concatenate([np.arange(len(out[key])) for _, _, out in scored])
-    layout = np.stack([owner, *(np.concatenate([getattr(c, name) for _, c, _ in scored]).astype(np.int64)
-                                for name in ("tp", "cp", "pp", "dp", "ep"))], axis=1)
+    layout = _layouts(scored)
     count = min(count, int(np.isfinite(values).sum()))
     # take a generous slice by score, then order it with the tie-breaks; a larger one while it holds
     # fewer than `count` layouts
