@@ -39,12 +39,14 @@ What is measured, each with one intra-op thread per process as training ranks us
   back to back and with every worker computing a block before its push (the
   round and the compute then both stretch). Many senders to one receiver on
   shared cores cost more than two-rank ping-pong suggests.
-- tensor parallel's DTensor, per world size (`_tp_probe`): the per-op cost of
-  DTensor's dispatch (an elementwise op on a shard minus the same op on its
-  local tensor, no communication in it), and, from a TorchDispatchMode trace
-  of one GPT block split as strategies/tp.py splits it (forward + backward,
-  not timed), how many aten ops take a DTensor and how many all-reduces it
-  makes, of what size against the block's activations. A few seconds.
+- tensor parallel's DTensor, per world size (`_tp_probe`): from a
+  TorchDispatchMode trace of one tiny GPT block split as strategies/tp.py
+  splits it (forward + backward, counted, not timed), how many aten ops take
+  a DTensor and how many all-reduces it makes, of what size against the
+  block's activations; and DTensor's cost per such op: the block's step
+  sharded less the same block whole less its all-reduces timed alone, over
+  the op count (the block's compute is negligible at its width). A few
+  seconds.
 
 Everything here imports torch inside the function that needs it, so that importing
 ddlscope.calibrate (its profile file, say) costs no torch.
@@ -544,37 +546,60 @@ TP_PROBE_HIDDEN, TP_PROBE_HEADS, TP_PROBE_SEQ, TP_PROBE_BATCH = 16, 2, 8, 2
 
 
 def _tp_probe(repeats: int) -> dict[str, Any]:
-    """DTensor's per-op dispatch cost (the slowest rank's) and one tp-sharded GPT block's op and
-    all-reduce counts, traced (see the module docstring)."""
+    """DTensor's cost per dispatched op and one tp-sharded GPT block's op and all-reduce counts, traced
+    (see the module docstring). The per-op cost is the block's own: its forward + backward sharded, less
+    the same block unsharded and its all-reduces timed alone, over the traced op count, the slowest rank's.
+    (An elementwise op on a shard costs ~21 us more than on its tensor here, but the block's ops, with
+    their redistributions and autograd wrappers, cost 130-210 us each: a tiny block's step is 15.6 ms
+    sharded over 2 ranks against 0.9 ms unsharded, at load ~7.)"""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    counts = trace_tp_block(mesh, world)
-    shard = distribute_tensor(torch.randn(16 * world, 16), mesh, [Shard(0)])
-    local = shard.to_local()
-    dtensor_s = _median_time(lambda: shard.mul(2.0), max(20, 10 * repeats), inner=10)
-    plain_s = _median_time(lambda: local.mul(2.0), max(20, 10 * repeats), inner=10)
-    op_s = torch.tensor([max(dtensor_s - plain_s, 0.0)], dtype=torch.float64)
-    dist.all_reduce(op_s, op=dist.ReduceOp.MAX)
-    return {"dispatch_op_s": float(op_s), **counts}
+    sharded, plain, x = tp_probe_blocks(mesh, world)
+    counts = trace_tp_block(sharded, x)
+    activation = torch.zeros(x.numel())
+    samples = max(10, 4 * repeats)
+    sharded_s = _median_time(lambda: sharded(x).sum().backward(), samples)
+    plain_s = _median_time(lambda: plain(x).sum().backward(), samples)
+    all_reduce_s = _median_time(lambda: dist.all_reduce(activation), samples)
+    ops = max(counts["block_dispatch_ops"], 1)
+    per_op_s = max(sharded_s - plain_s - counts["block_all_reduces"] * all_reduce_s, 0.0) / ops
+    slowest = torch.tensor([per_op_s], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"dispatch_op_s": float(slowest), **counts}
 
 
-def trace_tp_block(mesh: Any, ranks: int) -> dict[str, Any]:
-    """One GPT block split over `mesh` as strategies/tp.py splits it, stepped once (warm) and then
-    traced forward + backward: aten ops with a DTensor argument, all-reduces, and their elements over
-    the block's activations (batch x seq x hidden)."""
+def tp_probe_blocks(mesh: Any, ranks: int) -> tuple[Any, Any, Any]:
+    """(a GPT block split over `mesh` as strategies/tp.py splits it, the same block whole, an input), each
+    block stepped once (warm: sharding propagation's caches filled, as in a training step)."""
     import torch
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
 
     from ddlscope.strategies.tp import PLAN
     from ddlscope.workloads.gpt import Block, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=TP_PROBE_SEQ, layers=1, hidden=TP_PROBE_HIDDEN * ranks,
+                    heads=TP_PROBE_HEADS * ranks)
+    torch.manual_seed(0)
+    sharded, plain = Block(cfg), Block(cfg)
+    sharded.attn.heads //= ranks
+    parallelize_module(sharded, mesh, PLAN)
+    x = torch.randn(TP_PROBE_BATCH, TP_PROBE_SEQ, cfg.hidden, requires_grad=True)
+    for block in (sharded, plain):
+        block(x).sum().backward()
+    return sharded, plain, x
+
+
+def trace_tp_block(block: Any, x: Any) -> dict[str, Any]:
+    """One tp-split block's forward + backward traced: aten ops with a DTensor argument, all-reduces, and
+    their elements over the block's activations (x's: batch x seq x hidden)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     class Trace(TorchDispatchMode):
         def __init__(self) -> None:
@@ -588,20 +613,11 @@ def trace_tp_block(mesh: Any, ranks: int) -> dict[str, Any]:
                 self.all_reduce_elements.append(sum(a.numel() for a in leaves if isinstance(a, torch.Tensor)))
             return func(*args, **(kwargs or {}))
 
-    cfg = GPTConfig(vocab_size=64, seq_len=TP_PROBE_SEQ, layers=1, hidden=TP_PROBE_HIDDEN * ranks,
-                    heads=TP_PROBE_HEADS * ranks)
-    torch.manual_seed(0)
-    block = Block(cfg)
-    block.attn.heads //= ranks
-    parallelize_module(block, mesh, PLAN)
-    x = torch.randn(TP_PROBE_BATCH, TP_PROBE_SEQ, cfg.hidden, requires_grad=True)
-    block(x).sum().backward()  # warm: sharding propagation's caches filled, as in a training step
     with Trace() as trace:
         block(x).sum().backward()
-    activation = TP_PROBE_BATCH * TP_PROBE_SEQ * cfg.hidden
     reduces = trace.all_reduce_elements
     return {"block_dispatch_ops": trace.dtensor_ops, "block_all_reduces": len(reduces),
-            "all_reduce_activation_ratio": statistics.fmean(reduces) / activation if reduces else 0.0}
+            "all_reduce_activation_ratio": statistics.fmean(reduces) / x.numel() if reduces else 0.0}
 
 
 def _wrapped_step_overhead_s(width: int, wrap: Any, repeats: int, linears: int = 1) -> float:
