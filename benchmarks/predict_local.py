@@ -26,7 +26,7 @@ rows.
         [--dataparallel | --only-dataparallel]   # + 11 runs of localsgd, diloco, cocod, hpsgd, osp, gossip, omnivore, apart
         [--modelparallel | --only-modelparallel] # + pipeline (4 schedules, recompute), tp, partitioned, apart
         [--all]                        # every set above but --cnn, + the strategies no set covers (a row each)
-    .venv/bin/python benchmarks/predict_local.py --rescore OUT   # the same runs, predicted again
+    .venv/bin/python benchmarks/predict_local.py --rescore OUT [--calibration FILE]   # the same runs, predicted again
 
 Without --calibration it calibrates world sizes 2, 3 and 4 first (the full
 calibration: 5 repeats per size; --quick-calibration for 3). About 3 minutes
@@ -51,6 +51,8 @@ from rich.table import Table
 
 WORKLOAD = {"workload.name": "mlp-digits", "workload.hidden": 512, "workload.layers": 3,
             "workload.batch_size": 256}
+# The tables are wide (a row per configuration with its spread): printed at this width, a terminal or not.
+WIDTH = 170
 CUSTOM = {"cluster.network.profile": "custom", "cluster.network.alpha_us": 100.0,
           "cluster.network.bandwidth_gbps": 0.5}
 # The vision workloads: resnet-cifar as the main study trains it (width 8, one block per stage, batch 64)
@@ -170,7 +172,9 @@ def config_label(strategy: str, world: int, overrides: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calibration", type=Path, default=None)
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="predict with this profile instead of calibrating first (with --rescore: instead "
+                             "of the saved one)")
     parser.add_argument("--quick-calibration", action="store_true", help="calibrate with 3 repeats, not 5")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3,
@@ -208,7 +212,7 @@ def main() -> int:
         parser.error(f"--repeats {args.repeats}: must be at least 1")
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.rescore:
-        return rescore(args.rescore, kernels=not args.no_kernels)
+        return rescore(args.rescore, kernels=not args.no_kernels, calibration=args.calibration)
 
     from ddlscope.analysis.summary import summarize
     from ddlscope.calibrate import calibrate, facts_key, load_profile, workload_facts, write_profile
@@ -217,7 +221,7 @@ def main() -> int:
     from ddlscope.runtime.launcher import launch
     from ddlscope.store import Store
 
-    console = Console()
+    console = Console(width=WIDTH)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ddlscope-predict-local-") as tmp:
         if args.calibration:
@@ -278,13 +282,16 @@ def main() -> int:
     return 0 if rows else 1
 
 
-def rescore(path: Path, kernels: bool = True) -> int:
-    """The runs of an earlier --json, predicted again by this code from the same calibration (and the
-    kernel times saved with them; timed now for a file from before kernel timing)."""
-    from ddlscope.calibrate import facts_key, workload_facts
+def rescore(path: Path, kernels: bool = True, calibration: Path | None = None) -> int:
+    """The runs of an earlier --json, predicted again by this code from the same calibration (or
+    `calibration`'s: e.g. one with probes the saved one predates) and the kernel times saved with them
+    (timed now for a file from before kernel timing)."""
+    from ddlscope.calibrate import facts_key, load_profile, workload_facts
     from ddlscope.predict.local import compare, predict_local
 
     saved = json.loads(path.read_text())
+    if calibration is not None:
+        saved["calibration"] = load_profile(calibration)
     rows, facts_cache = [], {}
     for row in saved["rows"]:
         key = facts_key(row["run_config"])
@@ -295,7 +302,7 @@ def rescore(path: Path, kernels: bool = True) -> int:
                 facts_cache[key]["kernels"] = timed
         predicted = predict_local(row["run_config"], row["environment"], facts_cache[key], saved["calibration"])
         rows.append({**row, "predicted": predicted, "error": compare(predicted, row["measured"])})
-    print_results(Console(), rows)
+    print_results(Console(width=WIDTH), rows)
     return 0
 
 
