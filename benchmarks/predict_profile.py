@@ -91,12 +91,16 @@ def main() -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--json", type=Path, default=None, help="write every row, with the profiles, here")
+    parser.add_argument("--beside-predict-run", action="store_true",
+                        help="also predict each run as predict-run does (the run's kernels timed now, alone and "
+                             "side by side in its ranks): what a profile taken once loses against that")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     from ddlscope.calibrate import calibrate, load_profile
     from ddlscope.predict.from_profile import predict_local_from_profile
-    from ddlscope.predict.local import compare
+    from ddlscope.calibrate import workload_facts
+    from ddlscope.predict.local import compare, predict_local
     from ddlscope.runtime.config import load_experiment
     from ddlscope.specs import ConfigError
 
@@ -128,9 +132,14 @@ def main() -> int:
                     predicted = predict_local_from_profile(profile, run.config["strategy"], world, calibration,
                                                            run.environment)
                     error = compare(predicted, figures)
-                    rows.append({"model": model, "strategy": strategy, "world": world, "config": label,
-                                 "predicted": predicted, "measured": figures, "error": error,
-                                 "load_average_1min": os.getloadavg()[0]})
+                    row = {"model": model, "strategy": strategy, "world": world, "config": label,
+                           "predicted": predicted, "measured": figures, "error": error,
+                           "load_average_1min": os.getloadavg()[0]}
+                    if args.beside_predict_run:
+                        timed = predict_local(run.config, run.environment, workload_facts(run.config, time_kernels=True),
+                                              calibration)
+                        row["predict_run_error"] = compare(timed, figures)["step_s_error"]
+                    rows.append(row)
                     console.print(f"{label}: {predicted['step_s'] * 1e3:.2f} ms predicted, "
                                   f"{figures['step_s'] * 1e3:.2f} ms measured ({error['step_s_error'] * 100:+.1f}%)")
     print_results(console, rows)
@@ -146,16 +155,22 @@ def median_abs_pct(rows: list[dict[str, Any]]) -> float:
 
 
 def print_results(console: Console, rows: list[dict[str, Any]]) -> None:
-    table = Table("run", "predicted ms", "measured ms", "error", "load", title="from a 1-rank profile vs measured")
+    beside = any("predict_run_error" in r for r in rows)
+    table = Table("run", "predicted ms", "measured ms", "error", *(["predict-run error"] if beside else []), "load",
+                  title="from a 1-rank profile vs measured")
     for r in rows:
         table.add_row(r["config"], f"{r['predicted']['step_s'] * 1e3:.2f}", f"{r['measured']['step_s'] * 1e3:.2f}",
-                      f"{r['error']['step_s_error'] * 100:+.1f}%", f"{r['load_average_1min']:.1f}")
+                      f"{r['error']['step_s_error'] * 100:+.1f}%",
+                      *([f"{r['predict_run_error'] * 100:+.1f}%"] if beside else []), f"{r['load_average_1min']:.1f}")
     console.print(table)
     for key in ("model", "strategy"):
         groups = sorted({r[key] for r in rows})
         console.print(f"median |error| per {key}: " + ", ".join(
             f"{g} {median_abs_pct([r for r in rows if r[key] == g]):.1f}%" for g in groups))
     console.print(f"median |error| over all {len(rows)} runs: {median_abs_pct(rows):.1f}% (target <= 10%)")
+    if beside:
+        console.print(f"predict-run (kernels timed in the run's ranks) over the same runs: median |error| "
+                      f"{statistics.median(abs(r['predict_run_error']) for r in rows) * 100:.1f}%")
 
 
 if __name__ == "__main__":
