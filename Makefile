@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 env: $(STAMP)
 
-# The main job: the main study's quick variant (about 5 minutes on 2 idle cores, plus 1.5 for a fresh install), its summary on the
+# The main job: the main study's quick variant (5-6 minutes on 2 idle cores, plus 1.5 for a fresh install), its summary on the
 # terminal and its HTML report in paper-report.html.
 study: env
 	$(BIN)/ddlscope study paper --quick

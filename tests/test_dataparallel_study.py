@@ -15,9 +15,9 @@ from ddlscope.studies.dataparallel import REFERENCES, SUBJECTS
 def test_cells_cover_every_subject_in_every_regime_on_equal_samples():
     study = STUDIES.get("dataparallel")()
     quick, full = study.cells(quick=True), study.cells(quick=False)
-    assert len(quick) == 11 + 2 + 2  # about 20 s each here: the quick study stays near 5 minutes (+2 compression, +2 dbs)
+    assert len(quick) == 12 + 2 + 2  # about 20 s each here: the quick study stays near 5 minutes (+2 compression, +2 dbs)
     # the quick variant has fewer regimes and seeds, never fewer strategies
-    studied = {name.partition("+")[0] for name in (*SUBJECTS, *REFERENCES, "omnivore", "dbs")}
+    studied = {name.partition("+")[0] for name in (*SUBJECTS, *REFERENCES, "omnivore", "dbs", "ps-sync")}
     assert studied <= {c.labels["strategy"].partition("+")[0] for c in quick}
     strategies = {c.labels["strategy"] for c in full}
     knobs = {f"ddp+{v}" for v in ("fp16", "bf16", "powersgd", "topk", "qsgd", "minmax8", "per_layer", "mgwfbp")}

@@ -84,6 +84,15 @@ def _ddp_scaling(fast_w4_step_s: float, comm_share: float = 0.0, slow_w4: bool =
     return {h["headline"]: h for h in findings.headlines}["DDP speedup over one device"]
 
 
+@pytest.mark.parametrize("name", STUDIES.names())
+def test_a_quick_study_runs_every_strategy_its_full_study_does(name):
+    """--quick means fewer regimes, steps or seeds, never fewer strategies (issue 39, point 11)."""
+    study = STUDIES.get(name)()
+    def strategies(quick: bool) -> set[str]:
+        return {c.experiment.strategy.name for c in study.cells(quick=quick)}
+    assert strategies(quick=False) - strategies(quick=True) == set()
+
+
 def test_ddp_headline_reads_every_worker_count_and_judges_the_largest():
     scaling = _ddp_scaling(0.004)
     assert "on the fast network 1.67x at 2 workers, 2.50x at 4 workers" in scaling["measured"]

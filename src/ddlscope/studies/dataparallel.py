@@ -123,7 +123,7 @@ class DataParallelStudy(Study):
             # The slow network is where synchronising less pays; the straggler where waiting costs (ps-async's
             # seeds there are in the main study's quick cells and in the full one here).
             # Every strategy the study is about has a cell (fewer regimes and seeds, not fewer strategies).
-            cells = [cell(s, "slow", "homogeneous") for s in ("ddp", "ps-async", "localsgd", "cocod",
+            cells = [cell(s, "slow", "homogeneous") for s in ("ddp", "ps-sync", "ps-async", "localsgd", "cocod",
                                                                f"hpsgd+{MOMENTUM_COMPENSATED}", "diloco", "osp", "gossip")]
             cells += [cell(s, "fast", "straggler") for s in ("ddp", "localsgd")]
             cells.append(cell("omnivore+g2", "slow", "straggler", world=OMNIVORE_WORKERS))

@@ -368,6 +368,9 @@ class PaperStudy(Study):
             cells.append(cell("ddp", "slow", "homogeneous", QUICK_WORKERS, timing=True))
             cells += [cell("fsdp", n, "homogeneous", QUICK_WORKERS, timing=True) for n in NETWORKS]
             cells.append(cell("ddp", "fast", "straggler", QUICK_WORKERS))
+            # Every synchronous collective strategy once, where what sets it apart shows: dbs with the straggler.
+            cells += [cell(s, "fast", "straggler", QUICK_WORKERS) for s in DISTRIBUTED
+                      if s not in PS_FAMILY and s not in ("ddp", "fsdp")]
             # One server on the slow link is bound by its network whatever the workers do; on the
             # fast one compute matters, which is where stragglers (and asynchrony) make a difference.
             cells += [cell(s, "fast", "straggler", QUICK_WORKERS) for s in PS_FAMILY]
