@@ -95,7 +95,8 @@ import json, sys
 p = json.load(open(sys.argv[1]))
 step = p["step"]["forward_s"] + p["step"]["backward_s"]
 print(f"{p['workload']['name']} on {p['device']['name']} ({p['split'][:40]}): {len(p['layers']['name'])} pieces sum "
-      f"{p['layers_sum_s'] * 1e3:.2f} ms, whole step {step * 1e3:.2f} ms, overhead {p['overhead_s'] * 1e3:+.2f} ms")
+      f"{p['layers_sum_s'] * 1e3:.2f} ms, whole step {step * 1e3:.2f} ms, overhead {p['overhead_s'] * 1e3:+.2f} ms"
+      + (f", their CUDA kernels {p['layers_kernel_s'] * 1e3:.2f} ms" if "layers_kernel_s" in p else ""))
 try:
     b = json.load(open(sys.argv[2]))["breakdown_mean_s"]
     run = b["forward_s"] + b["backward_s"]

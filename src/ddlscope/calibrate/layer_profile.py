@@ -139,12 +139,14 @@ def profile_model(experiment_config: dict[str, Any], repeats: int = 5,
         "workload": _plain(exp.workload.model_dump(mode="json")),
         "batch": batch,
         "split": split,
-        "layers": _columns([asdict(l) for l in layers]),
+        "layers": _columns([_plain(asdict(l)) for l in layers]),
         "step": _step_of(whole),
         "step_by_batch": {"batch": sorted(steps), **{key: [steps[b][key] for b in sorted(steps)]
                                                        for key in ("data_s", "forward_s", "backward_s",
                                                                    "optimizer_s")}},
         "layers_sum_s": layer_sum_s,
+        # on a GPU, the pieces' CUDA kernels (torch.profiler): the stack's per-layer overhead is the sum beyond it
+        **({"layers_kernel_s": sum(l.kernel_s or 0.0 for l in layers)} if device == "cuda" else {}),
         "overhead_s": whole["forward_s"] + whole["backward_s"] - layer_sum_s,
         "facts": _plain(facts),
     }

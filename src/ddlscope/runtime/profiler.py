@@ -485,6 +485,11 @@ class ModuleTiming:
     input_bytes: int  # its tensor inputs (what a pipeline stage boundary receives here)
     output_bytes: int  # its tensor outputs (what it sends on)
     flops: int  # forward + backward (FlopCounterMode, math attention)
+    # on a GPU, forward + backward's CUDA kernels alone (torch.profiler, one profiled run): forward_s +
+    # backward_s beyond it is the stack's per-layer overhead (Python, autograd's engine, launches) beside
+    # its kernels. None on a CPU: there the profiler's cost per op is the size of a small model's ops
+    # (a tiny GPT's profiled aten time came out above its unprofiled wall time)
+    kernel_s: float | None = None
 
 
 def model_split(model: nn.Module, most: int = 64) -> tuple[str, list[tuple[str, nn.Module]]]:
@@ -619,13 +624,24 @@ def _time_piece(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dic
         return forward_s, backward_s
 
     times = [run() for _ in range(warmup + repeats)][warmup:]
+    kernel_s = _kernel_s(run) if device.type == "cuda" else None
     meter = ActivationMeter(module)
     run(meter)
     return ModuleTiming(
         name=name, forward_s=statistics.median(t[0] for t in times), backward_s=statistics.median(t[1] for t in times),
         param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
         activation_bytes=int(meter.bytes), input_bytes=_tensor_bytes((args, kwargs)),
-        output_bytes=_tensor_bytes(_output_of(module, args, kwargs)), flops=_piece_flops(module, args, kwargs))
+        output_bytes=_tensor_bytes(_output_of(module, args, kwargs)), flops=_piece_flops(module, args, kwargs),
+        kernel_s=kernel_s)
+
+
+def _kernel_s(run: Any) -> float:
+    """Seconds of CUDA kernels in one `run()` (forward + backward), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
 
 
 def _tensor_bytes(tree: Any) -> int:
