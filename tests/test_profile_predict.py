@@ -131,6 +131,8 @@ def test_another_device_divides_the_times_by_the_rate_ratio():
     same = predict_cluster_from_profile(_synthetic(device_type="cuda", name="cuda: NVIDIA A100-SXM4-80GB"),
                                         {"name": "ddp"}, cluster, global_batch=32)
     assert same.compute_s == pytest.approx(1.5e-3 + 3e-3)
+    for strategy in ("fsdp", "pipeline", "localsgd"):  # the catalogue's H100 nodes have no host figure: no server
+        assert predict_cluster_from_profile(_synthetic(), {"name": strategy}, parse_cluster("h100:1x2")).step_s > 0
 
 
 def test_predict_profile_on_the_command_line(gpt_profile: tuple[Path, dict], tmp_path: Path):

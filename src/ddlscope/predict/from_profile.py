@@ -183,8 +183,14 @@ def predict_cluster_from_profile(profile: Mapping[str, Any], strategy: Mapping[s
                             achieved_fraction=batch * flops_per_sample / (peak * compute_s),
                             layers=max(1, len(facts.get("fsdp_units", [])) - 1),
                             backward_fraction=kernels["backward_s"] / compute_s)
+    server = pst.ServerSpec()  # the workers step their own optimizers: no server to price
+    if not spec.traits.local_optimizer:  # parameter servers: a CPU host of the node, as cnn_predict prices it
+        if not cluster.node.host_memory_bytes_per_s:
+            raise ConfigError(f"strategy = {spec.name!r}: the catalogue has no host CPU figures for {cluster.name} "
+                              "(host_memory_gb_per_s); use a cluster that has them, e.g. paper-fast or paper-slow")
+        server = server_spec(cluster, params, kind)
     case = ClusterCase(workload=workload, cluster=cluster, stragglers=1.0, slowdowns=None,
-                       server=server_spec(cluster, params, kind), activation_bytes=activation_bytes,
+                       server=server, activation_bytes=activation_bytes,
                        weight_bytes_per_param=4.0, optimizer_bytes_per_param=optimizer_bytes)
     estimate = estimator_for(spec).cluster(spec, case)
     estimate.notes.append(f"compute: the profile's step at {batch} samples a worker, " + (
