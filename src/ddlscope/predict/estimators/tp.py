@@ -68,7 +68,7 @@ class TPEstimator(Estimator):
         """Inside each block's forward and backward: the all-reduces of its activations (the probe's traced
         count, each of ratio x batch x seq x hidden fp32 elements, from the calibrated gloo table at the tp
         degree) and DTensor's dispatch of every op on a shard (the traced op count x the probe's per-op
-        cost, stretched as the ranks' compute side by side is). A calibration without the [tp] probe: Megatron's four
+        cost, timed with every rank stepping the block at once). A calibration without the [tp] probe: Megatron's four
         all-reduces of the block's activations, no dispatch (noted)."""
         sizes = gpt_sizes(case.workload)
         if sizes is None:
@@ -83,9 +83,10 @@ class TPEstimator(Estimator):
                                                            "tp.all_reduce_activation_ratio"))
         payload_bytes = ratio * activation_elements / spec.dp * 4
         all_reduce_s = message_s(case.profile, "all_reduce", payload_bytes, t, case.link)
+        # Not stretched: the probe times the block on every rank at once, as the run's ranks step, so its
+        # per-op cost holds their contention for the cores already.
         dispatch_s = 0.0 if probe is None else (int(required(probe.block_dispatch_ops, "tp.block_dispatch_ops"))
-                                                 * float(required(probe.dispatch_op_s, "tp.dispatch_op_s"))
-                                                 * case.side_by_side_stretch())
+                                                 * float(required(probe.dispatch_op_s, "tp.dispatch_op_s")))
         notes = [f"tp: per block {all_reduces} all-reduces of {payload_bytes / 1e3:.0f} kB ({all_reduce_s * 1e3:.2f} ms "
                  f"each) and DTensor's dispatch {dispatch_s * 1e3:.2f} ms, {layers} blocks"]
         if probe is None:
