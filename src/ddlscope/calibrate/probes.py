@@ -404,7 +404,8 @@ def _strategy_probes(repeats: int, quick: bool) -> dict[str, dict[str, Any]]:
         fsdp["unit_bytes"].append(block_bytes)
         fsdp["unit_overhead_s"].append(fsdp_s / PROBE_BLOCKS)
     fsdp["optimizer_tensor_s"] = _sharded_optimizer_tensor_s(shard_blocks, repeats)
-    fsdp["unit_tensor_s"] = _fsdp_unit_tensor_s(shard_blocks, repeats)
+    # three times the steps: a difference of two small overheads, each a difference of medians
+    fsdp["unit_tensor_s"] = _fsdp_unit_tensor_s(shard_blocks, 3 * repeats)
     # The profile's sections of these names (calibrate/profile.py: DdpProbe, FsdpProbe).
     return dict(ddp=ddp, fsdp=fsdp)
 
