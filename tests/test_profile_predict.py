@@ -147,6 +147,10 @@ def test_predict_profile_on_the_command_line(gpt_profile: tuple[Path, dict], tmp
     expected = predict_local_from_profile(profile, {"name": "localsgd", "period": 2}, 2,
                                           CalibrationProfile.load(tmp_path / "cal.toml"))
     assert out["step_s"] == pytest.approx(expected["step_s"]) and out["world_size"] == 2
+    from ddlscope.calibrate.layer_profile import write_model_profile  # a .json path: the same profile as JSON
+
+    write_model_profile(profile, tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text()) == load_model_profile(tmp_path / "p.json") == profile
 
 
 @pytest.mark.parametrize("argv,names", [
