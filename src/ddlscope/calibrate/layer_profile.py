@@ -21,6 +21,7 @@ predict/from_profile.py composes multi-rank steps from it (torch-free).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -31,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-PROFILE_KIND = "ddlscope model profile"
+PROFILE_KIND = "ddlscope model profile"  # what predict/from_profile.py checks a file for
 # The whole step at the batch, half and a quarter of it (distinct, >= 1): what 2 and 4 data-parallel
 # ranks each compute.
 BATCH_FRACTIONS = (1, 2, 4)
@@ -117,12 +118,12 @@ def profile_model(experiment_config: dict[str, Any], repeats: int = 5,
     facts = workload_facts(experiment_config)
     with rank_threads(threads):
         task, x, y = workload_batch(exp, batch, device)
-        model = task.model.to(device).train()
+        model = copy.deepcopy(task.model).to(device).train()  # the task's own stays as built, for the whole step
         split, pieces = model_split(model)
         progress(f"{len(pieces)} pieces ({split}) + the loss, {repeats} repeats each")
         layers = profile_modules(model, task.loss_fn, x, y, pieces, chain=split.startswith("layer sequence"),
                                  repeats=repeats, warmup=WARMUP)
-        task.model.cpu()
+        del model
         steps = {}
         for b in sorted({max(1, batch // f) for f in BATCH_FRACTIONS}, reverse=True):
             progress(f"the whole step at batch {b}")

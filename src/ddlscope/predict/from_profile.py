@@ -30,11 +30,11 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
+from ddlscope.calibrate.layer_profile import PROFILE_KIND  # torch-free to import (torch inside its functions)
 from ddlscope.calibrate.model import STATE_TENSORS, interpolate_linear, optimizer_kind, required
 from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.specs import ConfigError
 
-PROFILE_KIND = "ddlscope model profile"  # calibrate/layer_profile.py writes it (that module imports torch)
 TIMES = ("data_s", "forward_s", "backward_s", "optimizer_s")
 REQUIRED_KEYS = ("batch", "workload", "step", "step_by_batch", "facts", "device", "meta")
 
