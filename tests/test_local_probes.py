@@ -185,3 +185,19 @@ def test_omnivore_leaders_reach_the_servers_apart():
     sync_s = omnivore["sync_overhead_s"]
     turn_s = b["comm_wait_s"] - staggered - group_s - sync_s
     assert turn_s == pytest.approx(0.0, abs=1e-12)  # 4 ranks on 8 cores: no turn-taking
+
+
+@pytest.mark.parametrize("strategy, models", [("fedavg", 1), ("mc-psgd", 2)])
+def test_a_federated_round_computes_reads_and_steps_each_of_its_minibatches(strategy, models):
+    """A run step is a round: local_steps minibatches for each model trained (mc-psgd trains two); with
+    local_epochs (the data's size unknown) one, as before, and said."""
+    kernels = {"forward_s": 0.002, "backward_s": 0.004, "optimizer_s": 0.001, "data_s": 0.0005, "steps": 9}
+    facts = {**FACTS, "kernels": kernels}
+
+    def breakdown(**knobs) -> dict:
+        return predict_local(_config(strategy, 2, **knobs), {}, facts, PROFILE)
+
+    one, four = breakdown()["breakdown_s"], breakdown(local_steps=4)["breakdown_s"]
+    for phase in ("data_s", "forward_s", "backward_s", "optimizer_s"):
+        assert four[phase] == pytest.approx(4 * models * one[phase])
+    assert any("prices as one" in n for n in breakdown()["notes"])

@@ -187,6 +187,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     comm = estimator.local_comm(spec, case, LocalStep(stretch, forward_s, backward_s, zero_grad_s))
     if not spec.traits.local_optimizer:  # the servers step; the workers only zero their gradients
         optimizer_s = zero_grad_s
+    # A run step of several minibatches (a federated round) reads and steps each of them.
+    minibatches = estimator.local_minibatches(spec, case)
+    data_s, optimizer_s = data_s * minibatches, optimizer_s * minibatches
     notes = list(comm.notes) + extra_notes
 
     # The synchronisation probe is for a strategy with no probe of its own that holds the wait. A

@@ -137,6 +137,11 @@ class Estimator:
         dispatch and the all-reduces inside its layers), with notes: none by default."""
         return 0.0, []
 
+    def local_minibatches(self, spec: StrategySpec, case: LocalCase) -> float:
+        """Minibatches a worker reads, computes and steps in one run step (a federated round's local steps):
+        1 by default. local_compute_factor should include it where it is not 1."""
+        return 1.0
+
     def local_compute_factor(self, spec: StrategySpec, case: LocalCase) -> float:
         """A worker's compute per step over a plain forward and backward of its batch (e.g. gossip's
         per-sample gradients for differential privacy compute one more forward): 1 by default."""

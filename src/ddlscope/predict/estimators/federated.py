@@ -8,10 +8,12 @@ average), and only `client_fraction` of the workers computing. The slowest
 sampled client sets the round (straggler_bound).
 
 This machine, per run step (a round): one all-reduce of the trained models,
-the flat copies around it and one synchronisation wait. A round's compute is
-its local minibatches, which the local compute model prices as one step of
-`workload.batch_size`: predict-run's compute is a round's first minibatch
-only (said in the notes).
+the flat copies around it and one synchronisation wait; and the round's
+`local_steps` minibatches for each model trained (strategies/federated.py
+trains every model of the round on all of them), each read, computed and
+stepped as a step of `workload.batch_size` is. With `local_epochs` instead
+(the client's data size is not in the facts) a round's compute is priced as
+one minibatch, and the notes say so.
 """
 
 from __future__ import annotations
@@ -60,6 +62,13 @@ class FederatedEstimator(Estimator):
         return (case.replicated_state_bytes + case.activation_bytes
                 + extra_copies_bytes(case, kept_copies(spec))), None
 
+    def local_minibatches(self, spec: FedAvgSpec, case: LocalCase) -> float:
+        """A round's minibatches: local_steps for each model trained; one where the round is local_epochs."""
+        return float(spec.local_steps * spec.models_trained_per_round()) if spec.local_steps else 1.0
+
+    def local_compute_factor(self, spec: FedAvgSpec, case: LocalCase) -> float:
+        return self.local_minibatches(spec, case)
+
     def local_comm(self, spec: FedAvgSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         models = spec.models_trained_per_round()
         payload = models * case.param_bytes
@@ -67,6 +76,8 @@ class FederatedEstimator(Estimator):
         copies_s = 2 * payload / case.memory_bandwidth_bytes_per_s * step.stretch
         comm = LocalComm(all_reduce_s + copies_s + local_sync_wait_s(case), holds_sync_wait=True)
         comm.notes.append(f"{spec.name}: one weighted all-reduce of {models} model(s) per round "
-                          f"({all_reduce_s * 1e3:.2f} ms); a round's compute is all its local minibatches, "
-                          "which this estimate prices as one")
+                          f"({all_reduce_s * 1e3:.2f} ms)" + (
+                              f"; a round computes {spec.local_steps} minibatches for each model" if spec.local_steps
+                              else "; a round's compute is all its local minibatches (local_epochs over data of a "
+                                   "size the facts do not hold), which this estimate prices as one"))
         return comm
