@@ -309,7 +309,9 @@ def test_ranks_beyond_the_cores_wait_their_turn_under_every_strategy():
     """4 computing ranks on 2 cores: each step lasts at least twice the CPU work, DDP and FSDP included
     (their probes hold the turn-taking of their own small compute only)."""
     facts = {**FACTS, "kernels": KERNELS}
-    for strategy in ("ddp", "fsdp", "localsgd"):
+    # pipeline and partitioned ranks each compute a quarter of the model: they wait for a core for that
+    # quarter's work (counting the whole model's made a 4-rank GPT pipeline wait 263 ms where it waited 98)
+    for strategy in ("ddp", "fsdp", "localsgd", "pipeline", "partitioned"):
         roomy = predict_local(_config(strategy, 4), {}, facts, {**PROFILE, "meta": {"cores": 4}})
         tight = predict_local(_config(strategy, 4), {}, facts, {**PROFILE, "meta": {"cores": 2}})
         b = tight["breakdown_s"]

@@ -168,23 +168,26 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     sync_overhead_s = sync_at(machine_probe(profile, "sync", world + case.servers), case.alone_s)[1]
     probed_stretch = estimator.local_compute_stretch(spec, case)
     stretch = case.side_by_side_stretch() if probed_stretch is None else probed_stretch
+    # The rank's part of the model's work (its stages, under pipeline), at the stretch of running beside
+    # the others: what the facts timed for the whole model becomes this rank's.
+    scale = stretch * estimator.local_compute_share(spec, case)
     extra_s, extra_notes = estimator.local_compute_extra_s(spec, case)
-    compute_s = case.alone_s * stretch * estimator.local_compute_factor(spec, case) + extra_s
+    compute_s = case.alone_s * scale * estimator.local_compute_factor(spec, case) + extra_s
     forward_s = compute_s * forward_share(facts)
     backward_s = compute_s - forward_s
     # Reading the batch (the in-memory split's gather): timed with the kernels, else not priced.
-    data_s = float(facts["kernels"]["data_s"]) * stretch if facts.get("kernels") else 0.0
+    data_s = float(facts["kernels"]["data_s"]) * scale if facts.get("kernels") else 0.0
 
     n_tensors = len(facts["param_numel"])
     local_params = estimator.local_optimizer_bytes(spec, case)
     tensor_s = estimator.local_optimizer_tensor_s(spec, case)
     timed_s = (facts.get("kernels") or {}).get("optimizer_s")
     if timed_s is not None and local_params == case.param_bytes and tensor_s == case.per_tensor_s:
-        optimizer_s = float(timed_s) * stretch  # the whole model's plain tensors: as timed with the kernels
+        optimizer_s = float(timed_s) * scale  # the whole model's plain tensors: as timed with the kernels
     else:  # a shard, or DTensors (FSDP): passes over the local bytes + the per-tensor overhead
-        optimizer_s = (n_tensors * tensor_s + (3 + 2 * STATE_TENSORS[case.optimizer_kind]) * local_params / mem_bw) * stretch
-    zero_grad_s = n_tensors * op_s * stretch
-    comm = estimator.local_comm(spec, case, LocalStep(stretch, forward_s, backward_s, zero_grad_s))
+        optimizer_s = (n_tensors * tensor_s + (3 + 2 * STATE_TENSORS[case.optimizer_kind]) * local_params / mem_bw) * scale
+    zero_grad_s = n_tensors * op_s * scale
+    comm = estimator.local_comm(spec, case, LocalStep(scale, forward_s, backward_s, zero_grad_s))
     if not spec.traits.local_optimizer:  # the servers step; the workers only zero their gradients
         optimizer_s = zero_grad_s
     # A run step of several minibatches (a federated round) reads and steps each of them.
@@ -201,6 +204,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # Counted for DDP and FSDP too, whose probes hold the turn-taking of their own (tiny) compute only:
     # with the compute timed as kernels, CNN ddp x4 on 2 cores went from -63% to -33% and the MLP's from
     # -15% to +11% (benchmarks/predict_local.py, docs/calibrate.md).
+    # The rank's own CPU work alone is its busy time over the stretch proper (not over its share: a
+    # pipeline rank takes turns for a core with its stages' work, not the whole model's).
     busy_s = compute_s + optimizer_s + data_s
     turn_wait_s = busy_period_s(busy_s / stretch, stretch, oversubscription) - busy_s
     if turn_wait_s > 0:

@@ -132,6 +132,11 @@ class Estimator:
         measured it; None: the synchronisation probe's."""
         return None
 
+    def local_compute_share(self, spec: StrategySpec, case: LocalCase) -> float:
+        """The part of the model's forward and backward (on the batch the facts profile) one rank computes:
+        all of it by default; 1/p where each rank holds 1/p of the layers (pipeline, partitioned)."""
+        return 1.0
+
     def local_compute_extra_s(self, spec: StrategySpec, case: LocalCase) -> tuple[float, list[str]]:
         """Seconds a worker's forward and backward take beyond its kernels' (e.g. tensor parallel's DTensor
         dispatch and the all-reduces inside its layers), with notes: none by default."""

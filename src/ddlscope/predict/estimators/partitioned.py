@@ -41,10 +41,9 @@ class PartitionedEstimator(Estimator):
         # data-parallel worker's activation_bytes (the whole model on 1/p of the batch) amounts to
         return case.replicated_state_bytes / case.cluster.n_gpus + case.activation_bytes, None
 
-    def local_compute_stretch(self, spec: PartitionedSpec, case: LocalCase) -> float | None:
-        """A rank computes its part only: 1/p of the model on the whole batch, stretched as the
-        synchronisation probe measured ranks computing side by side."""
-        return case.side_by_side_stretch() / case.world
+    def local_compute_share(self, spec: PartitionedSpec, case: LocalCase) -> float:
+        """A rank computes its part only: 1/p of the model on the whole batch."""
+        return 1.0 / case.world
 
     def local_optimizer_bytes(self, spec: PartitionedSpec, case: LocalCase) -> float:
         return case.param_bytes / case.world

@@ -56,11 +56,10 @@ class PipelineEstimator(Estimator):
             return [f"{stages} stages (one per GPU) but the model has {case.workload.layers} blocks: cannot run"]
         return []
 
-    def local_compute_stretch(self, spec: PipelineSpec, case: LocalCase) -> float | None:
+    def local_compute_share(self, spec: PipelineSpec, case: LocalCase) -> float:
         """A rank computes its stages only: 1/p of the model (on the whole batch, which is what the facts
-        profile for a strategy that does not split the batch), stretched as the synchronisation probe
-        measured ranks computing side by side."""
-        return case.side_by_side_stretch() / case.world
+        profile for a strategy that does not split the batch)."""
+        return 1.0 / case.world
 
     def local_optimizer_bytes(self, spec: PipelineSpec, case: LocalCase) -> float:
         return case.param_bytes / spec.pipeline_ranks(case.world)
