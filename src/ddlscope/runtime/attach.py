@@ -241,6 +241,7 @@ class Meter:
         self.closed = True
         for hook in self._hooks:
             hook.remove()
+        self.comm.settle()  # before the interpreter finalizes: see CommRecorder.settle
         if self._writer is None:  # no step was taken: nothing was written, nothing to store
             return
         self._memory.setdefault("parameters", parameter_bytes(self.model))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,6 +67,7 @@ class CommRecorder:
         self._last_launch_s: float | None = None
         self._link_free_s = 0.0
         self._lock = threading.Lock()
+        self._callbacks_held = 0  # completion callbacks a backend thread still holds (see `settle`)
         # The runtime's heartbeat (runtime/heartbeat.py) learns here what a rank last waited on.
         self.on_launch: Callable[[str], None] | None = None
 
@@ -98,7 +100,8 @@ class CommRecorder:
         """
         if self.link is None:
             # Only note the completion time: no chained future, so the hot path stays cheap.
-            future.add_done_callback(lambda _: self._intervals.append((pending.launch_s, time.perf_counter())))
+            future.add_done_callback(self._held(
+                lambda _: self._intervals.append((pending.launch_s, time.perf_counter()))))
             return future
 
         delayed: torch.futures.Future[Any] = torch.futures.Future()
@@ -118,8 +121,37 @@ class CommRecorder:
                 time.sleep(remaining)
             finish(fut)
 
-        future.add_done_callback(on_done)
+        future.add_done_callback(self._held(on_done))
         return delayed
+
+    def _held(self, callback: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`callback`, counted until the backend thread that runs it lets it go."""
+        with self._lock:
+            self._callbacks_held += 1
+        weakref.finalize(callback, self._let_go)
+        return callback
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._callbacks_held -= 1
+
+    def settle(self, timeout_s: float = 2.0, grace_s: float = 0.02) -> bool:
+        """Wait (without the GIL) until no backend thread holds a completion callback; False on timeout.
+
+        Why: gloo's worker thread runs a future's Python callbacks, then drops them, taking the GIL each
+        time. If the interpreter has begun to finalize by then, CPython ends that thread inside a C++
+        destructor and the process aborts ("terminate called without an active exception", exit -6):
+        on a loaded machine a rank can reach its exit before that thread gets a core. Called before
+        exit, this lets those threads finish; `grace_s` covers the hook's own `then` callback, which the
+        thread drops just after ours.
+        """
+        deadline_s = time.perf_counter() + timeout_s
+        while self._callbacks_held > 0 and time.perf_counter() < deadline_s:
+            time.sleep(0.001)
+        if self._callbacks_held > 0:
+            return False
+        time.sleep(grace_s)
+        return True
 
     def complete_work(self, work: dist.Work, pending: Pending,
                       on_waited: Callable[[float], None] | None = None) -> dist.Work:
