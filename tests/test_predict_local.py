@@ -387,6 +387,19 @@ def test_the_slowest_of_n_lies_where_normal_order_statistics_put_it():
     assert expected_max_of_normals(4) == pytest.approx(1.02938, rel=1e-4)  # tabulated (e.g. Harter 1961)
 
 
+def test_a_lone_rank_computes_as_its_kernels_did_alone():
+    """One process runs beside no other rank: no side-by-side stretch, whatever the calibration's
+    smallest world size measured (the sync probe starts at 2 ranks)."""
+    stretched = {**PROFILE, "sync": {"ws2": {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.5, 1.5],
+                                             "sync_overhead_s": [2e-3, 2e-3]}}}
+    lone = predict_local(_config("single", 1), {}, {**FACTS, "kernels": KERNELS}, stretched)
+    assert lone["compute_stretch"] == 1.0
+    b = lone["breakdown_s"]
+    assert b["forward_s"] + b["backward_s"] == pytest.approx(KERNELS["forward_s"] + KERNELS["backward_s"])
+    pair = predict_local(_config("ddp", 2), {}, {**FACTS, "kernels": KERNELS}, stretched)
+    assert pair["compute_stretch"] == pytest.approx(1.5)  # two ranks do stretch
+
+
 def test_kernels_timed_side_by_side_set_the_stretch_and_a_synchronous_steps_wait():
     """Where the facts have the workload's kernels timed side by side with as many ranks as the run
     has, their stretch replaces the synchronisation probe's, and a synchronous step (ddp) waits for its

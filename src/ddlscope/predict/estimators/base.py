@@ -66,7 +66,10 @@ class LocalCase:
     def side_by_side_stretch(self) -> float:
         """How much a rank's compute stretches beside the other ranks': the workload's own kernels timed
         side by side where the facts have them (calibrate/facts.py rank_kernel_times), else the
-        synchronisation probe's matmul."""
+        synchronisation probe's matmul. A lone rank runs beside no other: its kernels take what they took
+        alone (stretched as if beside another, single x1 was predicted at 1.34x its kernels here)."""
+        if self.world == 1:
+            return 1.0
         if self.kernel_stretch is not None:
             return self.kernel_stretch
         return sync_at(machine_probe(self.profile, "sync", self.world), self.alone_s)[0]
