@@ -14,6 +14,17 @@ parameters (or the emulated link's time, if longer), two passes over them
 step is taken over (step 0 is left out; it averages after step 0, so a
 12-step diloco run of period 20 waits for no average in them: issue 38's
 +32%); once per period where the run's length is not known.
+
+CoCoD on this machine (strategies/localsgd.py CoCoD): the average launched
+after step s lands at the next average's step, or at the run's last step
+(nothing stays in flight past the run), so it hides behind the steps in
+between, not a whole period: a 12-step run of period 8 launches after steps
+0 and 8 and waits at step 11 for what 3 steps did not hide (the emulated
+36 ms average of the benchmark's row: ~18 ms, where a whole period hid it
+all). And while it is in flight, gloo's thread moves the real bytes on the
+ranks' own cores when they have no spare one: the rank's compute stretches
+by the all-reduce's calibrated time (the row's forward and backward ran
+~0.3-0.5 ms a step above localsgd's on the same model in the same runs).
 """
 
 from __future__ import annotations
@@ -106,17 +117,31 @@ class ModelAveragingEstimator(Estimator):
 
     def local_comm(self, spec: ModelAveragingSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         all_reduce_s, copies_s = local_model_all_reduce_s(case, step, self.average_fraction(spec))
-        exposed_s = all_reduce_s
-        if self.overlaps(spec):
-            round_compute_s = spec.period * (step.forward_s + step.backward_s + step.zero_grad_s)
-            exposed_s = max(all_reduce_s - round_compute_s, 0.0)
-        per_average_s = exposed_s + copies_s + local_sync_wait_s(case)
         rate = measured_averages_per_step(spec, case)
-        comm = LocalComm(per_average_s * rate, holds_sync_wait=True)
+        if self.overlaps(spec):
+            # a step's compute hides the average in flight (as the run's own, without comm)
+            exposed_per_step_s = exposed_in_flight_s(spec, case, all_reduce_s,
+                                                     step.forward_s + step.backward_s + step.zero_grad_s)
+        else:
+            exposed_per_step_s = all_reduce_s * rate
+        comm = LocalComm(exposed_per_step_s + (copies_s + local_sync_wait_s(case)) * rate, holds_sync_wait=True)
         comm.notes.append(f"{spec.name}: one model all-reduce {all_reduce_s * 1e3:.2f} ms"
-                          + (f" ({exposed_s * 1e3:.2f} ms not hidden by the next round)" if self.overlaps(spec) else "")
+                          + (f" ({exposed_per_step_s * 1e3:.2f} ms a step not hidden by the steps until it lands)"
+                             if self.overlaps(spec) else "")
                           + (f", every {1 / rate:g} steps" if rate else ", none within the run's measured steps"))
         return comm
+
+    def local_compute_extra_s(self, spec: ModelAveragingSpec, case: LocalCase) -> tuple[float, list[str]]:
+        """An average in flight (CoCoD) moves its bytes on gloo's thread while the ranks compute: on a
+        machine with no core to spare, that thread's time (the all-reduce's calibrated time, without the
+        emulated link, which only waits) comes out of the rank's compute, once per average launched."""
+        if not self.overlaps(spec) or case.world + case.servers < case.cores:
+            return 0.0, []
+        transfer_s = message_s(case.profile, "all_reduce", case.param_bytes * self.average_fraction(spec),
+                               case.world, None)
+        extra_s = transfer_s * averages_in_flight_per_step(spec, case)
+        return extra_s, [f"{spec.name}: the average in flight moves its bytes on the ranks' cores "
+                         f"({transfer_s * 1e3:.2f} ms each, {extra_s * 1e3:.2f} ms a step of compute)"]
 
 
 def measured_averages_per_step(spec: ModelAveragingSpec, case: LocalCase) -> float:
@@ -126,6 +151,36 @@ def measured_averages_per_step(spec: ModelAveragingSpec, case: LocalCase) -> flo
     if steady is None:
         return spec.averages_per_step()
     return sum(1 for step in steady if spec.averages_after(step) is not None) / len(steady)
+
+
+def in_flight_averages(spec: ModelAveragingSpec, steps: int) -> list[tuple[int, int]]:
+    """(launched after step, lands in step) of each average of a `steps`-step CoCoD run: it lands when
+    the next average is launched, or at the last step (the runtime lets nothing stay in flight past it)."""
+    launches = [s for s in range(steps) if spec.averages_after(s) == "all"]
+    return [(s, launches[i + 1] if i + 1 < len(launches) else steps - 1) for i, s in enumerate(launches)]
+
+
+def exposed_in_flight_s(spec: ModelAveragingSpec, case: LocalCase, all_reduce_s: float, step_compute_s: float) -> float:
+    """Seconds a step waits for averages in flight: each waits out what the steps between its launch and
+    its landing did not hide, counted where it lands within the measured steps; a period's steps hide
+    each where the run's length is not known."""
+    steady = case.steady_steps()
+    if steady is None or case.steps is None:
+        return max(all_reduce_s - spec.period * step_compute_s, 0.0) * spec.averages_per_step()
+    waits = [max(all_reduce_s - (lands - launched) * step_compute_s, 0.0)
+             for launched, lands in in_flight_averages(spec, case.steps) if lands in steady]
+    return sum(waits) / len(steady)
+
+
+def averages_in_flight_per_step(spec: ModelAveragingSpec, case: LocalCase) -> float:
+    """Averages whose bytes move during the measured steps (launched after step s, they move in step s + 1;
+    one launched after the last step lands at once, its transfer inside the wait); one per period where
+    the run's length is not known."""
+    steady = case.steady_steps()
+    if steady is None or case.steps is None:
+        return spec.averages_per_step()
+    return sum(1 for launched, lands in in_flight_averages(spec, case.steps)
+               if lands > launched and launched + 1 in steady) / len(steady)
 
 
 def _compressed_average(est: pst.StrategyEstimate, case: ClusterCase, fraction: float) -> pst.StrategyEstimate:
