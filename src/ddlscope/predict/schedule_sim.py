@@ -111,3 +111,61 @@ def single_stage_orders(schedule: str, ranks: int, micro_batches: int) -> list[l
                 order.append(forwards[warmup + i])
         orders.append(order)
     return orders
+
+
+def interleaved_orders(schedule: str, ranks: int, micro_batches: int, chunks: int) -> list[list[Action]]:
+    """Interleaved 1F1B's and interleaved zero-bubble's orders (`chunks` stages per rank, rank r holding
+    stages r, r + p, ...), as torch 2.13 computes them (schedules.py: ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, _get_1f1b_rank_ops), without the empty slots that only align its table.
+    Micro-batches go in rounds of m // p; zero-bubble splits each backward into I then, later, W (its first
+    stage's I computes nothing: torch runs that stage's whole backward as its W)."""
+    zero_bubble = schedule == "zero-bubble"
+    rounds = max(1, micro_batches // ranks)
+    per_round = micro_batches // rounds
+    orders = []
+    for rank in range(ranks):
+        last_stage_warmup = (chunks - 1) * per_round
+        warmup = min(last_stage_warmup + (1 if zero_bubble else 2) * (ranks - 1 - rank), micro_batches * chunks)
+        total = chunks * micro_batches  # forwards (and as many backwards)
+
+        def forward_stage(op: int, rank: int = rank) -> int:
+            return ((op // per_round) % chunks) * ranks + rank
+
+        def backward_stage(op: int, rank: int = rank, warmup: int = warmup) -> int:
+            return (chunks - 1 - ((op - warmup) // per_round) % chunks) * ranks + rank
+
+        orders.append(_one_f_one_b(total, warmup, forward_stage, backward_stage,
+                                   split_from=rank if zero_bubble else None))
+    return orders
+
+
+def _one_f_one_b(total: int, warmup: int, forward_stage: Callable[[int], int], backward_stage: Callable[[int], int],
+                 split_from: int | None) -> list[Action]:
+    """torch's _get_1f1b_rank_ops: `warmup` forwards, then a forward and a backward in turn, then the
+    remaining backwards; with `split_from` (zero-bubble) each backward is I, and the W of the oldest pending
+    one follows every backward from the split_from-th of the steady phase on, the rest at the end."""
+    order: list[Action] = []
+    next_mb: dict[tuple[str, int], int] = {}
+
+    def take(kind: str, stage: int) -> Action:
+        mb = next_mb.get((kind, stage), 0)
+        next_mb[kind, stage] = mb + 1
+        return (kind, stage, mb)
+
+    backward_ops: list[int] = []
+    weights_done = 0
+    for op in range(total + warmup):  # warmup forwards, total - warmup steady pairs, warmup cooldown backwards
+        if op < total:
+            if op < warmup:
+                order.append(take("F", forward_stage(op)))
+                continue
+            order.append(take("F", forward_stage(op)))
+        order.append(take("B" if split_from is None else "I", backward_stage(op)))
+        backward_ops.append(op)
+        if split_from is not None and op - warmup >= split_from:
+            order.append(take("W", backward_stage(backward_ops[weights_done])))
+            weights_done += 1
+    while split_from is not None and weights_done < len(backward_ops):
+        order.append(take("W", backward_stage(backward_ops[weights_done])))
+        weights_done += 1
+    return order

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from ddlscope.calibrate.model import message_s
 from ddlscope.predict import collectives as coll
@@ -11,7 +12,7 @@ from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (
     ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, forward_share, gpt_sizes, state_tensors)
 from ddlscope.predict.partition import bubble_fraction, in_flight
-from ddlscope.predict.schedule_sim import simulate, single_stage_orders
+from ddlscope.predict.schedule_sim import Action, interleaved_orders, simulate, single_stage_orders
 from ddlscope.specs.strategies.pipeline import PipelineSpec
 
 
@@ -69,39 +70,62 @@ class PipelineEstimator(Estimator):
         return {"worker": {"parameters": mine, "gradients": mine, "optimizer": mine * state_tensors(case)}}
 
     def local_compute_extra_s(self, spec: PipelineSpec, case: LocalCase) -> tuple[float, list[str]]:
-        """Recompute: a recomputing stage runs its forward again in backward (torch.utils.checkpoint). The
-        busiest rank's: its stages' forwards (stages of equal compute) among `recompute`, at its stretch."""
+        """What a rank computes beyond its share of the kernels timed on the whole batch, at its stretch:
+        each of the m micro-batches replays its stages' ops, and the kernels paid every op's calibrated
+        overhead once, so (m - 1) x ops / p more; recompute: a recomputing stage runs its forward again in
+        backward (torch.utils.checkpoint), the busiest rank's stages among `recompute` (stages of equal compute)."""
+        p, v, m = spec.pipeline_ranks(case.world), spec.chunks, spec.micro_batches
+        stretch = case.side_by_side_stretch()
+        replay_s = (m - 1) * case.facts["ops"] * case.op_s * stretch / p
+        notes = [f"pipeline: {m} micro-batches replay the rank's ops: {replay_s * 1e3:.2f} ms of per-op overhead "
+                 f"beyond the whole batch's"] if m > 1 else []
         if not spec.recompute:
-            return 0.0, []
-        p, v = spec.pipeline_ranks(case.world), spec.chunks
-        per_stage_forward_s = case.alone_s * forward_share(case.facts) * case.side_by_side_stretch() / (p * v)
+            return replay_s, notes
+        per_stage_forward_s = case.alone_s * forward_share(case.facts) * stretch / (p * v)
         recomputing = max(sum(1 for s in range(rank, p * v, p) if s in spec.recompute) for rank in range(p))
         extra_s = recomputing * per_stage_forward_s
-        return extra_s, [f"pipeline: recompute: {recomputing} stage forward(s) again in the busiest rank's "
-                         f"backward, {extra_s * 1e3:.2f} ms"]
+        notes.append(f"pipeline: recompute: {recomputing} stage forward(s) again in the busiest rank's "
+                     f"backward, {extra_s * 1e3:.2f} ms")
+        return replay_s + extra_s, notes
 
     def local_comm(self, spec: PipelineSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        """The bubble and the transfers between stages, as waiting. GPipe and 1F1B: torch's action order
-        played out (predict/schedule_sim.py) with the rank's forward and backward per micro-batch (stages
-        of equal compute) and each activation or gradient reaching the next stage one calibrated p2p
-        message later (batch / m x seq x hidden fp32, a GPT's sizes from its config); the busiest rank's
-        idle. The multi-stage schedules (their order is torch's, not known here): the formula's bubble
-        plus the fill's and drain's 2 (p v - 1) transfers."""
+        """The bubble and the transfers between stages, as waiting: torch's action order (GPipe, 1F1B,
+        interleaved 1F1B, interleaved zero-bubble; predict/schedule_sim.py) played out with the rank's
+        forward and backward split evenly over its stages and micro-batches (stages of equal compute), each
+        activation or gradient reaching the next stage one calibrated p2p message later (batch / m x seq x
+        hidden fp32, a GPT's sizes from its config); the busiest rank's idle."""
         p, m, v = spec.pipeline_ranks(case.world), spec.micro_batches, spec.chunks
         transfer_s, notes = stage_transfer_s(spec, case)
-        if v == 1:
-            per_action = {"F": step.forward_s / m, "B": step.backward_s / m}
-            timeline = simulate(single_stage_orders(spec.schedule, p, m), lambda a: per_action[a[0]], p, transfer_s)
-            busiest = max(range(p), key=lambda r: timeline.busy_s[r])
-            idle_s = timeline.makespan_s - timeline.busy_s[busiest]
-            notes.append(f"pipeline: {spec.schedule}'s order played out: idle {idle_s * 1e3:.2f} ms a step")
-        else:
-            idle_s = ((step.forward_s + step.backward_s) * bubble_fraction(p, m, v, spec.schedule)
-                      + 2 * (p * v - 1) * transfer_s)
-            notes.append(f"pipeline: {spec.schedule}'s bubble from its formula, + {2 * (p * v - 1)} transfers")
+        orders = (single_stage_orders(spec.schedule, p, m) if v == 1
+                  else interleaved_orders(spec.schedule, p, m, v))
+        timeline = simulate(orders, action_seconds(step.forward_s / (m * v), step.backward_s / (m * v)), p * v,
+                            transfer_s)
+        busiest = max(range(p), key=lambda r: timeline.busy_s[r])
+        idle_s = timeline.makespan_s - timeline.busy_s[busiest]
+        notes.append(f"pipeline: {spec.schedule}'s order (torch's) played out: idle {idle_s * 1e3:.2f} ms a step")
+        if spec.schedule == "zero-bubble":
+            notes.append("pipeline: zero-bubble's split backward priced as the plain backward's halves (its extra "
+                         "autograd passes are not priced)")
         if spec.dp > 1:
             notes.append("pipeline dp > 1: the replicas' gradient all-reduce is not priced on this machine")
         return LocalComm(idle_s, notes=notes)
+
+
+def action_seconds(forward_s: float, backward_s: float) -> Callable[[Action], float]:
+    """An action's seconds from one stage's forward and backward of one micro-batch: zero-bubble's input- and
+    weight-gradient halves each half the backward, but on the first stage, whose input needs no gradient,
+    torch runs the whole backward as the W (stage.py backward_weight_one_chunk)."""
+    def seconds(action: Action) -> float:
+        kind, stage, _ = action
+        if kind == "F":
+            return forward_s
+        if kind == "B":
+            return backward_s
+        if stage == 0:
+            return 0.0 if kind == "I" else backward_s
+        return backward_s / 2
+
+    return seconds
 
 
 def stage_transfer_s(spec: PipelineSpec, case: LocalCase) -> tuple[float, list[str]]:

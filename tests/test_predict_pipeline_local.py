@@ -1,0 +1,71 @@
+"""The local predictor's pipeline: torch's own action orders played out, zero-bubble's split backward,
+and the per-op overhead each micro-batch replays (predict/estimators/pipeline.py, predict/schedule_sim.py).
+Pure arithmetic: no ranks, no torch."""
+
+from __future__ import annotations
+
+import pytest
+from test_predict_local import FACTS, PROFILE, _config
+
+from ddlscope.predict.estimators.pipeline import action_seconds
+from ddlscope.predict.local import predict_local
+from ddlscope.predict.schedule_sim import interleaved_orders, simulate
+
+
+def _parse(row: str) -> list[tuple[str, int, int]]:
+    return [(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in row.split()]
+
+
+# torch 2.13's pipeline_order for 2 ranks, 4 micro-batches, 2 stages per rank, empty slots left out
+# (torch.distributed.pipelining._schedule_visualizer.get_schedule_ops, printed once)
+TORCH_ORDERS = {
+    "interleaved": [
+        "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3",
+        "F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 F3.3 B3.3 B1.2 B1.3"],
+    "zero-bubble": [
+        "F0.0 F0.1 F2.0 F2.1 I2.0 W2.0 F0.2 I2.1 W2.1 F0.3 I0.0 W0.0 F2.2 I0.1 W0.1 F2.3 I2.2 W2.2 I2.3 W2.3 "
+        "I0.2 W0.2 I0.3 W0.3",
+        "F1.0 F1.1 F3.0 I3.0 F3.1 I3.1 W3.0 F1.2 I1.0 W3.1 F1.3 I1.1 W1.0 F3.2 I3.2 W1.1 F3.3 I3.3 W3.2 I1.2 "
+        "W3.3 I1.3 W1.2 W1.3"],
+}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
+def test_interleaved_orders_are_torchs(schedule: str):
+    assert interleaved_orders(schedule, 2, 4, 2) == [_parse(row) for row in TORCH_ORDERS[schedule]]
+
+
+def test_zero_bubble_first_stage_runs_its_whole_backward_as_its_weight_pass():
+    """torch's first stage has no input gradient to compute: its I does nothing and its W is the whole
+    backward; the other stages' I and W each take half."""
+    seconds = action_seconds(1.0, 2.0)
+    assert (seconds(("I", 0, 0)), seconds(("W", 0, 0))) == (0.0, 2.0)
+    assert (seconds(("I", 3, 1)), seconds(("W", 3, 1))) == (1.0, 1.0)
+    assert (seconds(("F", 2, 0)), seconds(("B", 2, 0))) == (1.0, 2.0)
+
+
+def test_each_micro_batch_replays_the_ranks_ops():
+    """The kernels timed on the whole batch paid each op's overhead once; m micro-batches pay it m times over
+    the rank's 1/p of the ops: (m - 1) x ops x op_s x stretch / p more compute a step."""
+    facts = {**FACTS, "kernels": {"data_s": 0.5e-3, "forward_s": 4e-3, "backward_s": 12e-3, "steps": 9,
+                                  "threads": 1}}
+    one, four = (predict_local(_config("pipeline", 2, schedule="gpipe", micro_batches=m), {}, facts, PROFILE)
+                 for m in (1, 4))
+    added_s = sum(four["breakdown_s"][k] - one["breakdown_s"][k] for k in ("forward_s", "backward_s"))
+    op_s = PROFILE["compute"]["op_overhead_s"]
+    assert added_s == pytest.approx(3 * FACTS["ops"] * op_s * four["compute_stretch"] / 2, rel=1e-9)
+    assert any("replay" in note for note in four["notes"])
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
+def test_multi_stage_schedules_wait_as_torchs_order_plays_out(schedule: str):
+    """The interleaved schedules' waiting is torch's order played out (not the formula's bubble): each of
+    the rank's 2 stages x 4 micro-batches an eighth of its forward and backward; the busiest rank's idle."""
+    facts = {**FACTS, "kernels": {"data_s": 0.0, "forward_s": 4e-3, "backward_s": 8e-3, "steps": 9, "threads": 1}}
+    row = predict_local(_config("pipeline", 2, schedule=schedule, chunks=2, micro_batches=4), {}, facts, PROFILE)
+    b = row["breakdown_s"]
+    timeline = simulate([_parse(r) for r in TORCH_ORDERS[schedule]],
+                        action_seconds(b["forward_s"] / 8, b["backward_s"] / 8), 4)
+    idle_s = timeline.makespan_s - max(timeline.busy_s)
+    assert idle_s > 0
+    assert b["comm_wait_s"] - row["sync_overhead_s"] == pytest.approx(idle_s, rel=1e-9)
