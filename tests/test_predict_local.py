@@ -450,3 +450,15 @@ def test_a_private_step_times_its_own_per_sample_backward():
     b_with, b_without = with_kernels["breakdown_s"], without["breakdown_s"]
     assert b_without["backward_s"] + b_without["forward_s"] == pytest.approx(
         PRIVATE_COMPUTE_FACTOR * (b_with["backward_s"] + b_with["forward_s"]))
+
+
+def test_a_partitioned_rank_steps_its_share_of_the_tensors_and_bytes_once():
+    """A rank holding 1/p of the model steps 1/p of its tensors and bytes: the same optimizer time as DDP's
+    whole model over p, at the same stretch (the bytes were once divided by p twice: a stage's bytes, then
+    its share of the compute)."""
+    ddp = predict_local(_config("ddp"), {}, FACTS, PROFILE)
+    part = predict_local(_config("partitioned"), {}, FACTS, PROFILE)
+    per_stretch = [p["breakdown_s"]["optimizer_s"] / p["compute_stretch"] for p in (ddp, part)]
+    assert per_stretch[1] == pytest.approx(per_stretch[0] / 2, rel=1e-9)
+    passes_s = (3 + 0) * FACTS["param_bytes"] / PROFILE["compute"]["memory_bandwidth_bytes_per_s"]  # SGD: no state
+    assert per_stretch[0] == pytest.approx(len(FACTS["param_numel"]) * 3e-6 + passes_s, rel=1e-9)

@@ -170,7 +170,8 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     stretch = case.side_by_side_stretch() if probed_stretch is None else probed_stretch
     # The rank's part of the model's work (its stages, under pipeline), at the stretch of running beside
     # the others: what the facts timed for the whole model becomes this rank's.
-    scale = stretch * estimator.local_compute_share(spec, case)
+    share = estimator.local_compute_share(spec, case)
+    scale = stretch * share
     extra_s, extra_notes = estimator.local_compute_extra_s(spec, case)
     compute_s = case.alone_s * scale * estimator.local_compute_factor(spec, case) + extra_s
     forward_s = compute_s * forward_share(facts)
@@ -185,7 +186,9 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     if timed_s is not None and local_params == case.param_bytes and tensor_s == case.per_tensor_s:
         optimizer_s = float(timed_s) * scale  # the whole model's plain tensors: as timed with the kernels
     else:  # a shard, or DTensors (FSDP): passes over the local bytes + the per-tensor overhead
-        optimizer_s = (n_tensors * tensor_s + (3 + 2 * STATE_TENSORS[case.optimizer_kind]) * local_params / mem_bw) * scale
+        # The rank's share of the tensors; its bytes are the estimator's local ones already (a stage's).
+        passes = 3 + 2 * STATE_TENSORS[case.optimizer_kind]
+        optimizer_s = (n_tensors * tensor_s * share + passes * local_params / mem_bw) * stretch
     zero_grad_s = n_tensors * op_s * scale
     comm = estimator.local_comm(spec, case, LocalStep(scale, forward_s, backward_s, zero_grad_s))
     if not spec.traits.local_optimizer:  # the servers step; the workers only zero their gradients
