@@ -9,6 +9,7 @@ must pass.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # Flags for a sandbox without a session bus or network: no background traffic, no first-run work.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-quic"]
+# A test that looks at a page only in passing (after other checks) asks this, so a missing Playwright
+# cannot skip the rest of it from inside `look_at`.
+CAN_LOOK = CHROMIUM is not None and importlib.util.find_spec("playwright") is not None
 NEEDS_CHROMIUM = pytest.mark.skipif(CHROMIUM is None,
                                     reason="chromium is not installed (apt-get install chromium; .ci/run does)")
 

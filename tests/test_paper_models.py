@@ -17,7 +17,7 @@ from ddlscope.studies import paper
 from ddlscope.studies.base import CellResult
 from ddlscope.studies.paper_prediction import NO_MODEL_TABLE
 
-from browser import CHROMIUM, assert_reads_well, look_at
+from browser import CAN_LOOK, assert_reads_well, look_at
 
 QUICK_MODEL_KEYS = {"single/w1", "ddp/fast/homogeneous/w2", "memory/ddp/w2", "memory/fsdp/w2"}
 
@@ -165,7 +165,7 @@ def test_a_small_model_runs_through_the_study_its_report_names_it_and_a_rerun_re
     assert "mobilenet_v3_small" in rows["FSDP peak memory per device"]["predicted"]
     html = Path(report).read_text()
     assert "mobilenet_v3_small/ddp/fast/homogeneous/w2" in html and "--models mobilenet_v3_small" in html
-    if CHROMIUM:  # the paper study's page as a reader sees it, with its headlines (tests/browser.py)
+    if CAN_LOOK:  # the paper study's page as a reader sees it, with its headlines (tests/browser.py)
         page = look_at(Path(report), tmp_path, "paper-report", width=1000)
         assert_reads_well(page, min_images=4, min_tables=2)
         headings = [h for h in page.headings if h != "Notes"]
