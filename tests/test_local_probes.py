@@ -197,7 +197,15 @@ def test_a_federated_round_computes_reads_and_steps_each_of_its_minibatches(stra
     def breakdown(**knobs) -> dict:
         return predict_local(_config(strategy, 2, **knobs), {}, facts, PROFILE)
 
+    from ddlscope.predict.estimators.federated import round_copies
+    from ddlscope.predict.local import strategy_of
+
     one, four = breakdown()["breakdown_s"], breakdown(local_steps=4)["breakdown_s"]
-    for phase in ("data_s", "forward_s", "backward_s", "optimizer_s"):
+    for phase in ("data_s", "optimizer_s"):
         assert four[phase] == pytest.approx(4 * models * one[phase])
+    # the round's model copies come once a round (test_predict_misc_local.py)
+    copies_s = round_copies(strategy_of(_config(strategy)))[0] * FACTS["param_bytes"] / \
+        PROFILE["compute"]["memory_bandwidth_bytes_per_s"]
+    computed_s = [b["forward_s"] + b["backward_s"] - copies_s for b in (one, four)]
+    assert computed_s[1] == pytest.approx(4 * models * computed_s[0])
     assert any("prices as one" in n for n in breakdown()["notes"])

@@ -9,6 +9,7 @@ import pytest
 from test_predict_local import FACTS, PROFILE
 
 from ddlscope.calibrate.model import message_s
+from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.predict.local import predict_local
 
 SYNC_S = 1e-3  # the synthetic calibration's wait per meeting of the ranks
@@ -108,3 +109,45 @@ def test_an_average_in_flight_takes_the_ranks_cores_only_when_none_is_spare():
     extra_s = sum(busy["breakdown_s"][p] for p in compute) - sum(spare["breakdown_s"][p] for p in compute)
     assert extra_s == pytest.approx(2 * transfer_s / 11)
     assert any("in flight moves its bytes" in n for n in busy["notes"])
+
+
+@pytest.mark.parametrize("strategy, before, during", [("fedavg", 3, 4), ("mc-psgd", 7, 6)])
+def test_a_rounds_model_copies_are_the_runtimes(strategy, before, during):
+    """fedavg: flatten the start (2 passes), load it (1); then flatten the end (2), concatenate (1), weight
+    (1). mc-psgd: also clone the chain (1), load the second start (1), flatten the first end between (2);
+    two models concatenated and weighted. The forward phases hold the first, the synchronize phase the second."""
+    from ddlscope.predict.estimators.federated import round_copies
+    from ddlscope.predict.local import strategy_of
+
+    spec = strategy_of({"strategy": {"name": strategy, "local_steps": 4}})
+    assert round_copies(spec) == (before, during)
+    kernels = {"forward_s": 0.002, "backward_s": 0.004, "optimizer_s": 0.001, "data_s": 0.0005, "steps": 9}
+    facts = {**FACTS, "kernels": kernels}
+    config = _federated(strategy)
+    pass_s = FACTS["param_bytes"] / PROFILE["compute"]["memory_bandwidth_bytes_per_s"]
+    b = predict_local(config, {}, facts, PROFILE)["breakdown_s"]
+    models = 2 if strategy == "mc-psgd" else 1
+    compute_s = 4 * models * (kernels["forward_s"] + kernels["backward_s"])
+    assert b["forward_s"] + b["backward_s"] == pytest.approx(compute_s + before * pass_s)
+    all_reduce_s = message_s(CalibrationProfile.coerce(PROFILE), "all_reduce", models * FACTS["param_bytes"], 2, None)
+    assert b["comm_wait_s"] == pytest.approx(all_reduce_s + during * pass_s)
+
+
+def _federated(strategy: str) -> dict:
+    return {"workload": {"name": "mlp-digits", "optimizer": "sgd"}, "cluster": {"world_size": 2},
+            "strategy": {"name": strategy, "local_steps": 4}}
+
+
+def test_the_clients_wait_for_the_slowest_over_the_whole_round():
+    """The kernels' side-by-side spread per minibatch adds up over a round's minibatches as independent
+    draws: the mean client waits sqrt(4 x models) times one minibatch's wait."""
+    together = {"processes": 2, "stretch": 1.0, "slowest_wait_s": 1e-3}
+    kernels = {"forward_s": 0.002, "backward_s": 0.004, "optimizer_s": 0.001, "data_s": 0.0005, "steps": 9,
+               "together": together}
+    quiet = {"forward_s": 0.002, "backward_s": 0.004, "optimizer_s": 0.001, "data_s": 0.0005, "steps": 9,
+             "together": {**together, "slowest_wait_s": 0.0}}
+    for strategy, minibatches in (("fedavg", 4), ("mc-psgd", 8)):
+        spread = predict_local(_federated(strategy), {}, {**FACTS, "kernels": kernels}, PROFILE)
+        none = predict_local(_federated(strategy), {}, {**FACTS, "kernels": quiet}, PROFILE)
+        extra_s = spread["breakdown_s"]["comm_wait_s"] - none["breakdown_s"]["comm_wait_s"]
+        assert extra_s == pytest.approx(minibatches ** 0.5 * 1e-3)

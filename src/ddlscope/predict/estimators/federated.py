@@ -18,6 +18,7 @@ one minibatch, and the notes say so.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ddlscope.calibrate.model import message_s
@@ -39,6 +40,33 @@ def kept_copies(spec: FedAvgSpec) -> float:
     predictors (mm-psgd's sums, mc-psgd's sums and chains)."""
     per_block = spec.blocks * (spec.models_trained_per_round()) if spec.per_block() else 0
     return spec.models_trained_per_round() + per_block
+
+
+# strategies/averaging.py: flat_parameters concatenates the parameters and clones the result (two passes
+# over the model); load_flat_parameters copies a flat vector into them (one)
+FLAT_PASSES, LOAD_PASSES = 2, 1
+
+
+def round_copies(spec: FedAvgSpec) -> tuple[int, int]:
+    """Passes over one model's bytes a round makes (strategies/federated.py train_step): (before and
+    between the trainings: the round's start models, flattened (mc-psgd: and the chain cloned), each
+    loaded, each but the last flattened after training; in the synchronize phase: the last one
+    flattened, all concatenated and scaled by the client's weight). What follows the average (loading
+    it, the per-block sums) falls between the run's steps and no step holds it."""
+    models = spec.models_trained_per_round()
+    before = FLAT_PASSES + (models - 1) + models * LOAD_PASSES + (models - 1) * FLAT_PASSES
+    return before, FLAT_PASSES + 2 * models
+
+
+def round_spread_wait_s(spec: FedAvgSpec, case: LocalCase) -> float:
+    """How much longer than one minibatch's the mean client waits at the average for the slowest: the
+    clients meet once a round, after all its minibatches, and the kernels' side-by-side spread (the
+    facts' slowest_wait_s: one minibatch, steps independent and normal) adds up over them as
+    independent draws do, by the square root of their number; local.py adds the one minibatch's wait."""
+    if not spec.traits.synchronous:
+        return 0.0
+    minibatches = spec.local_steps * spec.models_trained_per_round() if spec.local_steps else 1
+    return (math.sqrt(minibatches) - 1) * case.kernel_slowest_wait_s
 
 
 @ESTIMATORS.register(FedAvgSpec)
@@ -69,12 +97,18 @@ class FederatedEstimator(Estimator):
     def local_compute_factor(self, spec: FedAvgSpec, case: LocalCase) -> float:
         return self.local_minibatches(spec, case)
 
+    def local_compute_extra_s(self, spec: FedAvgSpec, case: LocalCase) -> tuple[float, list[str]]:
+        """The round's model copies before and between its trainings, which its forward phases hold."""
+        copies = round_copies(spec)[0]
+        return copies * case.param_bytes / case.memory_bandwidth_bytes_per_s * case.side_by_side_stretch(), []
+
     def local_comm(self, spec: FedAvgSpec, case: LocalCase, step: LocalStep) -> LocalComm:
         models = spec.models_trained_per_round()
         payload = models * case.param_bytes
         all_reduce_s = message_s(case.profile, "all_reduce", payload, case.world, case.link)
-        copies_s = 2 * payload / case.memory_bandwidth_bytes_per_s * step.stretch
-        comm = LocalComm(all_reduce_s + copies_s + local_sync_wait_s(case), holds_sync_wait=True)
+        copies_s = round_copies(spec)[1] * case.param_bytes / case.memory_bandwidth_bytes_per_s * step.stretch
+        comm = LocalComm(all_reduce_s + copies_s + local_sync_wait_s(case) + round_spread_wait_s(spec, case),
+                         holds_sync_wait=True)
         comm.notes.append(f"{spec.name}: one weighted all-reduce of {models} model(s) per round "
                           f"({all_reduce_s * 1e3:.2f} ms)" + (
                               f"; a round computes {spec.local_steps} minibatches for each model" if spec.local_steps
