@@ -84,6 +84,14 @@ class OmnivoreEstimator(PSEstimator):
         # + the flat gradient the group averages and the flat model the leader broadcasts
         return worker + 2 * case.workload.params * case.weight_bytes_per_param, server
 
+    def local_compute_extra_s(self, spec: OmnivoreSpec, case: LocalCase) -> tuple[float, list[str]]:  # type: ignore[override]
+        """While a group computes, the servers serve the other groups' leaders: ps-async's loss of compute
+        with the k leaders as its workers (none for one group, which runs as ps-sync)."""
+        if spec.groups == 1:
+            return 0.0, []
+        return PSAsyncEstimator().local_compute_extra_s(PSAsyncSpec(servers=spec.servers),
+                                                        replace(case, world=spec.groups))
+
     def local_comm(self, spec: OmnivoreSpec, case: LocalCase, step: LocalStep) -> LocalComm:  # type: ignore[override]
         """A group's step, all of it blocking (strategies/omnivore.py): the gradient all-reduce inside the
         group, the leader's push and pull (the members wait in the broadcast meanwhile), the model's

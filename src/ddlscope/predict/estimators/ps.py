@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Literal, Sequence
 
 import numpy as np
@@ -12,7 +13,8 @@ from ddlscope.predict.catalogue import Cluster
 from ddlscope.predict.estimators import ESTIMATORS
 from ddlscope.predict.estimators.base import (ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, split_slowdowns,
                                               state_tensors)
-from ddlscope.calibrate.model import STATE_TENSORS, concurrent_rounds_slowdown, ps_compute_stretch, ps_round_s
+from ddlscope.calibrate.model import (STATE_TENSORS, concurrent_rounds_slowdown, machine_probe, ps_compute_stretch,
+                                      ps_round_s, sync_at)
 from ddlscope.specs.strategies.ps import PSAsyncSpec, PSSpec, PSSyncSpec, SSPSpec, StaleAwareSpec
 from ddlscope.specs import ConfigError
 
@@ -119,6 +121,19 @@ class PSEstimator(Estimator):
             return case.kernel_stretch
         return ps_compute_stretch(case.profile, case.world, case.alone_s)
 
+    def local_compute_extra_s(self, spec: PSSpec, case: LocalCase) -> tuple[float, list[str]]:
+        """Asynchronous workers do not compute in lockstep: while one computes, the server serves the
+        others' exchanges on the same cores (`served_beside_compute_s`)."""
+        if spec.averages_rounds:  # a synchronous round: the workers compute together, the server waits
+            return 0.0, []
+        stretch = self.local_compute_stretch(spec, case)
+        extra_s = served_beside_compute_s(case, exchange_parts(spec, case),
+                                          case.alone_s * (case.side_by_side_stretch() if stretch is None else stretch))
+        if extra_s <= 0:
+            return 0.0, []
+        return extra_s, [f"ps: the server serves the other workers' exchanges on the cores a worker computes on: "
+                         f"{extra_s * 1e3:.2f} ms more compute a step"]
+
     def local_memory(self, spec: PSSpec, case: LocalCase) -> dict[str, dict[str, int]]:
         full = int(case.param_bytes)
         server_shard = -(-full // 4 // spec.servers) * 4  # ceil over fp32 elements
@@ -134,19 +149,19 @@ class PSEstimator(Estimator):
         others, and a step lasts at least workers x (its share of the round + update)), then
         unflattens them. `between_pushes_s`: a client's other blocking work between two pushes (an
         omnivore group's all-reduce and broadcast), in its cycle; `staggered`: clients that such work
-        keeps apart do not arrive together, so they queue only when the server is saturated."""
+        keeps apart do not arrive together, so they queue only when the server is saturated. On the
+        real network each exchange also waits for the server's and the worker's gloo threads to wake
+        on cores the other workers compute on (`exchange_wakeup_s`)."""
         world, servers, mem_bw = case.world, spec.servers, case.memory_bandwidth_bytes_per_s
-        per_server = case.param_bytes / servers
-        apply_s = case.per_tensor_s + server_apply_passes(spec, world, case.optimizer_kind) * per_server / mem_bw
-        blocks = len(spec.blocks_pushed(0, 0))  # a block-cyclic worker exchanges one block a step
+        x = exchange_parts(spec, case)
+        per_server, apply_s, blocks, clients = x.per_server_bytes, x.apply_s, x.blocks, x.clients
+        side_by_side, rounds_slowdown = x.side_by_side, x.rounds_slowdown
         exchanged = case.param_bytes if blocks == servers else blocks * per_server
         flatten_s = 2 * 2 * exchanged / mem_bw * step.stretch  # gather the pushed gradients, copy the answer back
-        clients = spec.pushes_per_round(world)
-        # Servers are processes on the workers' machine: their rounds run side by side only while
-        # cores are free (the probe's round, one server and `clients` workers, keeps that many busy).
-        side_by_side = min(servers, world * blocks)
-        rounds_slowdown = concurrent_rounds_slowdown(side_by_side, clients, case.cores)
         round_s = ps_round_s(case.profile, clients, per_server, case.link, case.alone_s, rounds_slowdown)
+        # The transport probe's rounds with compute hold the wait for the other workers' pushes.
+        holds_sync_wait = ps_compute_stretch(case.profile, case.world, case.alone_s) is not None
+        wakeup_s = exchange_wakeup_s(case, x.measured_round_s, round_s) if holds_sync_wait else 0.0
         if spec.averages_rounds:
             comm_s = round_s + apply_s + flatten_s
         else:
@@ -157,17 +172,85 @@ class PSEstimator(Estimator):
             together_s = 0.0 if staggered else (clients - 1) / 2 * service_s
             queue_s = max(together_s, clients * service_s - cycle)
             comm_s = service_s + flatten_s + max(queue_s, 0.0)
-        # The transport probe's rounds with compute hold the wait for the other workers' pushes.
-        comm = LocalComm(comm_s, holds_sync_wait=ps_compute_stretch(case.profile, case.world, case.alone_s) is not None)
+        comm = LocalComm(comm_s + wakeup_s, holds_sync_wait=holds_sync_wait)
         comm.notes.append(f"ps: the server link serialises the workers' pushes and pulls: one round ({clients:g} "
                           f"workers) {round_s * 1e3:.2f} ms, the server's update {apply_s * 1e3:.2f} ms, "
                           f"flattening a worker's gradients and parameters {flatten_s * 1e3:.2f} ms")
+        if wakeup_s > 0:
+            comm.notes.append(f"ps: an exchange waits {wakeup_s * 1e3:.2f} ms for the server's and the worker's "
+                              f"gloo threads to wake on cores the workers compute on")
         if blocks < servers:
             comm.notes.append(f"ps: block-cyclic: a worker exchanges one of {servers} blocks a step")
         if servers > 1:
             comm.notes.append(f"ps: {side_by_side} server rounds at once share {case.cores} cores "
                               f"(x{rounds_slowdown:.2f} each)")
         return comm
+
+
+@dataclass(frozen=True)
+class ExchangeParts:
+    """What one worker's exchange with the servers is made of on this machine (PSEstimator.local_comm)."""
+
+    per_server_bytes: float  # a server's shard
+    apply_s: float  # the server's update of its shard per push
+    blocks: int  # servers a worker exchanges with in one step (block-cyclic: one)
+    clients: float  # pushes a server takes in one round
+    side_by_side: int  # server rounds running at once
+    rounds_slowdown: float  # how much those rounds stretch each other on the cores
+    measured_round_s: float  # one server's round from the transport probe, without any emulated link
+
+
+def exchange_parts(spec: PSSpec, case: LocalCase) -> ExchangeParts:
+    """A worker's exchange with the servers under `spec` on the case's machine, before any emulated link."""
+    servers = spec.servers
+    per_server = case.param_bytes / servers
+    apply_s = (case.per_tensor_s + server_apply_passes(spec, case.world, case.optimizer_kind) * per_server
+               / case.memory_bandwidth_bytes_per_s)
+    blocks = len(spec.blocks_pushed(0, 0))  # a block-cyclic worker exchanges one block a step
+    clients = spec.pushes_per_round(case.world)
+    # Servers are processes on the workers' machine: their rounds run side by side only while
+    # cores are free (the probe's round, one server and `clients` workers, keeps that many busy).
+    side_by_side = min(servers, case.world * blocks)
+    rounds_slowdown = concurrent_rounds_slowdown(side_by_side, clients, case.cores)
+    measured_round_s = ps_round_s(case.profile, clients, per_server, None, case.alone_s, rounds_slowdown)
+    return ExchangeParts(per_server, apply_s, blocks, clients, side_by_side, rounds_slowdown, measured_round_s)
+
+
+def served_beside_compute_s(case: LocalCase, x: ExchangeParts, compute_s: float) -> float:
+    """Compute an asynchronous worker loses, each step, to the server serving the other workers meanwhile.
+
+    Each of the other world - 1 workers exchanges once in a worker's cycle; its exchange keeps the
+    servers it pushes to and its own gloo thread (both ends of the loopback copies) runnable for the
+    server's real time on it (the probe's round per client + the update; an emulated link's wait is a
+    sleep, not CPU). While it runs, the world - 1 computing workers share the cores with those threads:
+    each computes at min(1, cores / runnable) of a core instead of the min(1, cores / world) it has
+    beside the other workers alone (which the kernels' side-by-side stretch and the turn-taking hold).
+    A worker's compute overlaps at most its own length of them, and loses (1 - that ratio) of it.
+    """
+    if case.world < 2:
+        return 0.0
+    service_s = x.measured_round_s / x.clients + x.apply_s
+    overlap_s = min((case.world - 1) * service_s, compute_s)
+    runnable = (case.world - 1) + x.side_by_side + 1
+    ratio = min(1.0, case.cores / runnable) / min(1.0, case.cores / case.world)
+    return max(1.0 - ratio, 0.0) * overlap_s
+
+
+def exchange_wakeup_s(case: LocalCase, measured_round_s: float, round_s: float) -> float:
+    """What an exchange with the servers waits, beyond the transport probe's round, for gloo's threads to wake.
+
+    A push wakes the server blocked in recv, its answer the worker blocked in wait, each on cores the
+    workers compute on: a meeting of ranks, whose wait the synchronisation probe measures (sync_overhead_s,
+    at every process of the run, servers too), once an exchange (a worker's pushes to several servers go
+    out together and meet at once). The transport probe's rounds, back to back after equal matmul blocks,
+    hold less of it than a run's steps: on the two quiet benchmark runs (load ~2) the loopback rows'
+    waiting ran 1.4-4.1 ms a step over the probe's round + update + copies, the wait 3.1-4.2 ms there.
+    An emulated link's wait is a sleep that the real transfer and its wake-ups run inside of: only what
+    of `measured_round_s` (the probe's, without the link) + the wait outlasts the `round_s` priced with
+    the link is exposed (none, on the benchmark's custom link).
+    """
+    meeting_s = sync_at(machine_probe(case.profile, "sync", case.world + case.servers), case.alone_s)[1]
+    return max(measured_round_s + meeting_s - round_s, 0.0)
 
 
 def server_apply_passes(spec: PSSpec, workers: int, opt_kind: str) -> float:
