@@ -195,7 +195,7 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
         optimizer_s = zero_grad_s
     # A run step of several minibatches (a federated round) reads and steps each of them.
     minibatches = estimator.local_minibatches(spec, case)
-    data_s, optimizer_s = data_s * minibatches, optimizer_s * minibatches
+    data_s, optimizer_s = data_s * estimator.local_data_reads(spec, case), optimizer_s * minibatches
     notes = list(comm.notes) + extra_notes
 
     # The synchronisation probe is for a strategy with no probe of its own that holds the wait. A

@@ -150,6 +150,11 @@ class Estimator:
         1 by default. local_compute_factor should include it where it is not 1."""
         return 1.0
 
+    def local_data_reads(self, spec: StrategySpec, case: LocalCase) -> float:
+        """Minibatches' worth of data a worker reads in one run step: each minibatch it steps by default
+        (a round that trains several models on the same samples reads them once)."""
+        return self.local_minibatches(spec, case)
+
     def local_compute_factor(self, spec: StrategySpec, case: LocalCase) -> float:
         """A worker's compute per step over a plain forward and backward of its batch (e.g. gossip's
         per-sample gradients for differential privacy compute one more forward): 1 by default."""

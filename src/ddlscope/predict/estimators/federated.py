@@ -94,6 +94,10 @@ class FederatedEstimator(Estimator):
         """A round's minibatches: local_steps for each model trained; one where the round is local_epochs."""
         return float(spec.local_steps * spec.models_trained_per_round()) if spec.local_steps else 1.0
 
+    def local_data_reads(self, spec: FedAvgSpec, case: LocalCase) -> float:
+        """The round's samples are read once (the run step's batch), whatever the models trained on them."""
+        return float(spec.local_steps) if spec.local_steps else 1.0
+
     def local_compute_factor(self, spec: FedAvgSpec, case: LocalCase) -> float:
         return self.local_minibatches(spec, case)
 
