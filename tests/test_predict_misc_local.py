@@ -49,7 +49,6 @@ def _nodepar(mode: str) -> dict:
 def test_node_parallel_pays_each_halo_exchange_and_each_meeting():
     """Per step: 2 x layers halo all-to-alls (priced as an all-gather of the per-peer bytes) and one
     gradient all-reduce, each a meeting of the ranks; replicate mode meets once, for the all-reduce."""
-    from ddlscope.calibrate.profile import CalibrationProfile
     from ddlscope.predict.estimators.nodepar import GraphSizes, mean_halo_nodes
 
     profile = CalibrationProfile.coerce(PROBED)
@@ -70,8 +69,9 @@ def test_a_cocod_average_lands_at_the_next_one_or_at_the_runs_last_step():
     assert in_flight_averages(CoCoDSpec(period=4), 9) == [(0, 4), (4, 8), (8, 8)]  # the last one lands at once
 
 
-def _cocod(steps: int | None, cores: int = 8, period: int = 8) -> tuple[dict, object, object]:
-    from ddlscope.predict.local import local_case, strategy_of
+def _cocod(steps: int | None, cores: int = 8, period: int = 8) -> tuple[dict, object]:
+    """The prediction of a CoCoD run on a slow emulated link, and its LocalCase."""
+    from ddlscope.predict.local import local_case
 
     config = {"workload": {"name": "mlp-digits", "optimizer": "sgd"}, "cluster": {"world_size": 2},
               "strategy": {"name": "cocod", "period": period}}
@@ -79,19 +79,19 @@ def _cocod(steps: int | None, cores: int = 8, period: int = 8) -> tuple[dict, ob
         config["workload"]["steps"] = steps
     profile = {**PROBED, "meta": {"cores": cores}}
     slow = {"network": {"emulated": True, "alpha_s": 0.0, "bandwidth_bytes_per_s": 2e5}}  # a 19 KB model: ~96 ms
-    return predict_local(config, slow, FACTS, profile), local_case(config, slow, FACTS, profile), strategy_of(config)
+    return predict_local(config, slow, FACTS, profile), local_case(config, slow, FACTS, profile)
 
 
 def test_cocod_waits_for_what_the_steps_before_its_landing_did_not_hide():
     """12 steps, period 8: the average launched after step 8 lands at step 11, hidden by 3 steps' compute
     only; the one launched after step 0 lands at step 8, hidden by 8. Both land in the 11 measured steps."""
+    from ddlscope.predict.estimators.base import LocalStep
     from ddlscope.predict.estimators.localsgd import local_model_all_reduce_s, local_sync_wait_s
 
-    predicted, case, spec = _cocod(12)
+    predicted, case = _cocod(12)
     b = predicted["breakdown_s"]
     step_compute_s = b["forward_s"] + b["backward_s"] + len(FACTS["param_numel"]) * case.op_s * predicted[
         "compute_stretch"]
-    from ddlscope.predict.estimators.base import LocalStep
     all_reduce_s, copies_s = local_model_all_reduce_s(case, LocalStep(predicted["compute_stretch"], 0, 0, 0))
     assert all_reduce_s > 8 * step_compute_s  # the link is slow enough that even 8 steps leave a wait
     waits_s = max(all_reduce_s - 8 * step_compute_s, 0) + max(all_reduce_s - 3 * step_compute_s, 0)
@@ -102,8 +102,8 @@ def test_cocod_waits_for_what_the_steps_before_its_landing_did_not_hide():
 def test_an_average_in_flight_takes_the_ranks_cores_only_when_none_is_spare():
     """On 2 cores the average's real transfer (the calibrated all-reduce, not the emulated wait) comes out of
     the rank's compute, once per average moving in the measured steps (after steps 0 and 8 of 12)."""
-    spare, _, _ = _cocod(12, cores=8)
-    busy, case, _ = _cocod(12, cores=2)
+    spare, _ = _cocod(12, cores=8)
+    busy, case = _cocod(12, cores=2)
     transfer_s = message_s(case.profile, "all_reduce", FACTS["param_bytes"], 2, None)
     compute = ("forward_s", "backward_s")
     extra_s = sum(busy["breakdown_s"][p] for p in compute) - sum(spare["breakdown_s"][p] for p in compute)
