@@ -129,8 +129,9 @@ def main() -> int:
                     if measured is None:
                         continue
                     run, figures = measured
+                    # the run's own steps: how often localsgd's averages land in its mean step
                     predicted = predict_local_from_profile(profile, run.config["strategy"], world, calibration,
-                                                           run.environment)
+                                                           run.environment, steps=int(run.config["workload"]["steps"]))
                     error = compare(predicted, figures)
                     row = {"model": model, "strategy": strategy, "world": world, "config": label,
                            "predicted": predicted, "measured": figures, "error": error,

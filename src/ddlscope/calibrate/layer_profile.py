@@ -37,6 +37,7 @@ PROFILE_KIND = "ddlscope model profile"  # what predict/from_profile.py checks a
 # ranks each compute.
 BATCH_FRACTIONS = (1, 2, 4)
 WARMUP = 2
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def device_name(device: str) -> str:
@@ -84,8 +85,9 @@ def workload_batch(exp: Any, batch: int, device: str = "cpu") -> tuple[Any, Any,
 
 
 def matmul_flops(device: str, n: int = 1024, repeats: int = 5) -> float:
-    """This device's fp32 matmul FLOP/s at n x n (the best of `repeats`): the rate another device's
-    is compared with when a profile is scaled to it."""
+    """This device's fp32 matmul FLOP/s at n x n (the best of `repeats`): on a CPU, what another CPU's
+    calibrated rate at that size (calibrate/probes.py, fp32 too) is compared with when a profile is
+    scaled to it."""
     import torch
 
     a = torch.randn(n, n, device=device)
@@ -119,6 +121,7 @@ def profile_model(experiment_config: dict[str, Any], repeats: int = 5,
     with rank_threads(threads):
         task, x, y = workload_batch(exp, batch, device)
         model = copy.deepcopy(task.model).to(device).train()  # the task's own stays as built, for the whole step
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
         split, pieces = model_split(model)
         progress(f"{len(pieces)} pieces ({split}) + the loss, {repeats} repeats each")
         layers = profile_modules(model, task.loss_fn, x, y, pieces, chain=split.startswith("layer sequence"),
@@ -136,7 +139,12 @@ def profile_model(experiment_config: dict[str, Any], repeats: int = 5,
         "meta": {"created_at": time.time(), "host": socket.gethostname(), "cores": os.cpu_count() or 1,
                  "torch": torch.__version__, "device": device_name(device), "device_type": device,
                  "threads": threads, "repeats": repeats, "load_average_1min": os.getloadavg()[0]},
-        "device": {"name": device_name(device), "matmul_flops": rate},
+        # the precision the times ran at: what a catalogue GPU's peak is taken at when they are scaled to another
+        # (predict/from_profile.py:cluster_scale); TF32 is torch's switch for fp32 matmuls on a GPU (off by default)
+        "device": {"name": device_name(device), "matmul_flops": rate, "dtype": DTYPE_NAMES.get(str(dtype), str(dtype)),
+                   "tf32": bool(torch.backends.cuda.matmul.allow_tf32)},
+        # pieces of the split that no hook timed (a module the forward never calls): their time is in overhead_s
+        "untimed": [name for name, _ in pieces if name not in {l.name for l in layers}],
         "workload": _plain(exp.workload.model_dump(mode="json")),
         "batch": batch,
         "split": split,

@@ -20,11 +20,13 @@ from ddlscope.store import Store
 
 
 def calibrate(
-    world_sizes: Annotated[str, typer.Option("--world-sizes", help="Comma-separated world sizes to measure (3: a parameter server with two workers).")] = "2,3,4",
-    quick: Annotated[bool, typer.Option("--quick", help="Fewer sizes and repeats (seconds instead of a minute).")] = False,
+    world_sizes: Annotated[Optional[str], typer.Option("--world-sizes", help="Comma-separated world sizes to measure (3: a parameter server with two workers; default 2,3,4). Not with --model.")] = None,
+    quick: Annotated[Optional[bool], typer.Option("--quick", help="Fewer sizes and repeats (seconds instead of a minute). Not with --model.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Profile TOML to write (--model: TOML, "
                                                    "or JSON for a .json path; default ddlscope-model-profile.toml).")] = None,
-    db: Annotated[Path, db_option("Store that keeps the profile too (predict-run reads the newest).")] = DEFAULT_DB,
+    db: Annotated[Optional[Path], db_option(f"Store that keeps the calibration too (predict-run reads the newest; "
+                                            f"default {DEFAULT_DB}). Not with --model: a model profile is kept "
+                                            "in its file only.")] = None,
     as_json: Annotated[bool, json_option("Print the profile as one JSON object.")] = False,
     model: Annotated[Optional[str], typer.Option(
         "--model", metavar="SOURCE:NAME", help="Profile this model instead (any workload: torchvision:, timm:, "
@@ -41,13 +43,18 @@ def calibrate(
     synchronisation, DDP, FSDP and a parameter server's round cost here (for `predict-run`). With --model,
     profile a model instead: its layers' and whole step's forward and backward on this device."""
     if model is not None:
+        unused = [flag for flag, value in (("--world-sizes", world_sizes), ("--quick", quick), ("--db", db))
+                  if value is not None]
+        if unused:  # they were silently ignored: a profile is one rank, kept in its file, not in the store
+            raise ConfigError(f"--model profiles one rank into a file (-o): it does not use {', '.join(unused)}")
         calibrate_model(model, set_ or [], batch, repeats, output, as_json)
         return
     if set_ or batch is not None:
         raise ConfigError("--set and --batch go with --model (a model to profile)")
+    db = db or DEFAULT_DB
     from ddlscope.calibrate import DEFAULT_PROFILE, calibrate as run_calibration, write_profile
 
-    sizes = parse_world_sizes(world_sizes)
+    sizes = parse_world_sizes(world_sizes or "2,3,4")
     path = output or DEFAULT_PROFILE
     if path.parent and not path.resolve().parent.exists():
         raise ConfigError(f"--output {path}: folder {path.resolve().parent} does not exist")
@@ -56,7 +63,7 @@ def calibrate(
     warnings.filterwarnings("ignore", category=FutureWarning)
     with Store(db):  # a bad --db fails now, not after a minute of measuring
         pass
-    profile = run_calibration(sizes, quick)
+    profile = run_calibration(sizes, bool(quick))
     write_profile(profile, path)
     with Store(db) as store:
         calibration_id = store.add_calibration(profile)
@@ -153,6 +160,9 @@ def calibrate_model(model: str, sets: list[str], batch: int | None, repeats: int
     if load > cores / 2:
         console.print(f"[yellow]note:[/yellow] load average {load:.1f} on {cores} cores while profiling: "
                       "other processes were running; figures may be pessimistic and noisy")
+    if profile.get("untimed"):
+        console.print(f"[yellow]note:[/yellow] not timed (no forward of theirs ran): {escape(', '.join(profile['untimed']))}; "
+                      "their time is in the overhead beside the layers")
     console.print(f"profile: {path.resolve()}", markup=False, highlight=False)
 
 

@@ -183,19 +183,32 @@ def predict_command(
         "--world-size", help="--profile: ranks of this machine (default: local:1xN's N, else 2).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option(
         "--set", help="--profile: a strategy knob, strategy.KEY=VALUE, e.g. strategy.period=4 (repeatable).")] = None,
+    steps: Annotated[Optional[int], typer.Option(
+        "--steps", help="--profile: the run's steps, which decide how often a periodic strategy's averages land "
+                        "in its mean step (default: the workload's, as `ddlscope run` takes it).")] = None,
 ) -> None:
     """Predict one configuration: step time, TFLOP/s, MFU, memory per GPU, energy and cost per step."""
-    if against is not None:
-        print_run_prediction(against, db, calibration, as_json)
-        return
     if profile is not None:
         if config is not None or model is not None:
             raise ConfigError("--profile predicts the profile's own model: leave out CONFIG and --model")
+        refuse_unused_with_profile({
+            "--against": against, "--hidden": hidden, "--heads": heads, "--layers": layers, "--seq": seq,
+            "--vocab": vocab, "--micro-batch": micro_batch, "--tp": tp, "--cp": cp, "--ep": ep, "--pp": pp,
+            "--dp": dp, "--recompute": recompute, "--zero": zero, "--sequence-parallel": sequence_parallel,
+            "--interleave": interleave, "--schedule": schedule, "--overlap-grad-reduce": overlap_grad_reduce,
+            "--fused-grad-accumulation": fused_grad_accumulation, "--attention": attention, "--dtype": dtype,
+            "--ffn-hidden": ffn_hidden, "--kv-heads": kv_heads, "--gated-mlp": gated_mlp, "--experts": experts,
+            "--top-k": top_k, "--capacity-factor": capacity_factor, "--expert-imbalance": expert_imbalance,
+            "--image-size": image_size, "--classes": classes, "--spot": spot, "--stack": stack,
+            "--sustained-fraction": sustained_fraction, "--measured-step-s": measured_step_s})
         print_profile_prediction(profile, strategy or "ddp", world_size, cluster, global_batch, set_ or [],
-                                 calibration, db, as_json)
+                                 calibration, db, as_json, steps)
         return
-    if set_ or world_size is not None:
-        raise ConfigError("--set and --world-size go with --profile (a model profile)")
+    if against is not None:
+        print_run_prediction(against, db, calibration, as_json)
+        return
+    if set_ or world_size is not None or steps is not None:
+        raise ConfigError("--set, --world-size and --steps go with --profile (a model profile)")
     from ddlscope.predict import ParallelSpec, predict
 
     spec = _input(config, cluster, spot, sustained_fraction, stack=stack, model=dict(
@@ -274,7 +287,9 @@ def plan_command(
     image_size: ImageSizeOpt = None,
     classes: ClassesOpt = None,
     by: Annotated[str, typer.Option("--by", help="Rank by step time or by cost per step.")] = "time",
-    top: Annotated[int, typer.Option("--top", help="How many configurations to show.")] = 5,
+    top: Annotated[int, typer.Option("--top", help="How many layouts to show, each once at its best micro-batch, "
+                                                   "ZeRO, recomputation and schedule (every configuration where "
+                                                   "fewer layouts fit).")] = 5,
     max_micro_batch: Annotated[int, typer.Option("--max-micro-batch", help="Largest micro-batch to try.")] = 64,
     spot: SpotOpt = None,
     stack: StackOpt = None,
@@ -707,9 +722,19 @@ def prediction_table(result: dict[str, Any]) -> Table:
 
 
 # ---------------------------------------------------------------------------- predict --profile
+def refuse_unused_with_profile(given: dict[str, Any]) -> None:
+    """`predict --profile` prices the profile's own model at the precision it was measured at: the model,
+    layout and pricing flags of a catalogue prediction have nothing to act on, and were silently ignored."""
+    unused = [flag for flag, value in given.items() if value is not None]
+    if unused:
+        raise ConfigError(f"--profile does not use {', '.join(unused)}: it predicts the profiled model under "
+                          "--strategy (with --set strategy.KEY=VALUE) on --world-size ranks or a --cluster, with "
+                          "--global-batch, --steps, --calibration")
+
+
 def print_profile_prediction(path: Path, strategy: str, world_size: int | None, cluster: str | None,
                              global_batch: int | None, sets: list[str], calibration: Path | None, db: Path,
-                             as_json: bool) -> None:
+                             as_json: bool, steps: int | None = None) -> None:
     """`predict --profile FILE`: the profile's model under `strategy`, on this machine or a catalogue cluster."""
     from ddlscope.predict.catalogue import LOCAL, cluster_name
     from ddlscope.predict.from_profile import load_model_profile
@@ -721,9 +746,23 @@ def print_profile_prediction(path: Path, strategy: str, world_size: int | None, 
     knobs = _strategy_knobs(strategy, sets)
     profile = load_model_profile(path)
     if cluster is None or cluster_name(cluster) == LOCAL:
-        _print_local_profile_prediction(profile, knobs, world_size, cluster, global_batch, calibration, db, as_json)
+        _print_local_profile_prediction(profile, knobs, world_size, cluster, global_batch, calibration, db, as_json,
+                                        steps)
     else:
-        _print_cluster_profile_prediction(profile, knobs, world_size, cluster, global_batch, as_json)
+        _print_cluster_profile_prediction(profile, knobs, world_size, cluster, global_batch, as_json, steps)
+
+
+def profile_run(profile: dict[str, Any], knobs: dict[str, Any], world: int, global_batch: int | None,
+                steps: int | None) -> Any:
+    """The run being predicted, as `ddlscope run` would take it: the profile's workload (its steps the
+    run's: --steps, else the workload's default), the strategy, the ranks, through load_experiment and its
+    checks (gossip refuses one rank here as `run` does)."""
+    from ddlscope.predict.from_profile import run_config
+    from ddlscope.runtime.config import load_experiment
+
+    config = run_config(profile, knobs, world, global_batch, steps)
+    return load_experiment(None, {"workload": config["workload"], "strategy": config["strategy"],
+                                  "cluster.world_size": world})
 
 
 def _strategy_knobs(strategy: str, sets: list[str]) -> dict[str, Any]:
@@ -741,15 +780,18 @@ def _strategy_knobs(strategy: str, sets: list[str]) -> dict[str, Any]:
 
 def _print_local_profile_prediction(profile: dict[str, Any], knobs: dict[str, Any], world_size: int | None,
                                    cluster: str | None, global_batch: int | None, calibration: Path | None, db: Path,
-                                   as_json: bool) -> None:
+                                   as_json: bool, steps: int | None = None) -> None:
     from ddlscope.calibrate.profile import this_machine_profile
     from ddlscope.predict.from_profile import predict_local_from_profile
 
-    machine = this_machine_profile(calibration, db)
     world = world_size or (cluster_from_text(cluster, calibration, db).gpus_per_node if cluster else 2)
     if cluster and world != cluster_from_text(cluster, calibration, db).gpus_per_node:
         raise ConfigError(f"--world-size {world} and --cluster {cluster} disagree: give one")
-    predicted = predict_local_from_profile(profile, knobs, world, machine, global_batch=global_batch)
+    exp = profile_run(profile, knobs, world, global_batch, steps)
+    knobs = exp.model_dump(mode="json")["strategy"]
+    machine = this_machine_profile(calibration, db)
+    predicted = predict_local_from_profile(profile, knobs, world, machine, global_batch=exp.workload.batch_size,
+                                           steps=exp.workload.steps)
     if as_json:
         print(json.dumps({"strategy": knobs, "world_size": world, "cluster": f"local:1x{world}", **predicted}))
         return
@@ -765,7 +807,8 @@ def _print_local_profile_prediction(profile: dict[str, Any], knobs: dict[str, An
 
 
 def _print_cluster_profile_prediction(profile: dict[str, Any], knobs: dict[str, Any], world_size: int | None,
-                                     cluster: str, global_batch: int | None, as_json: bool) -> None:
+                                     cluster: str, global_batch: int | None, as_json: bool,
+                                     steps: int | None = None) -> None:
     from dataclasses import asdict
 
     from ddlscope.predict.catalogue import parse_cluster
@@ -775,7 +818,9 @@ def _print_cluster_profile_prediction(profile: dict[str, Any], knobs: dict[str, 
     if world_size is not None and world_size != the_cluster.n_gpus:
         raise ConfigError(f"--world-size {world_size} and --cluster {cluster} ({the_cluster.n_gpus} GPUs) disagree: "
                           "give one")
-    estimate = predict_cluster_from_profile(profile, knobs, the_cluster, global_batch)
+    exp = profile_run(profile, knobs, the_cluster.n_gpus, global_batch, steps)
+    knobs = exp.model_dump(mode="json")["strategy"]
+    estimate = predict_cluster_from_profile(profile, knobs, the_cluster, exp.workload.batch_size, exp.workload.steps)
     if as_json:
         print(json.dumps({"strategy": knobs, "cluster": cluster, **asdict(estimate)}, default=str))
         return

@@ -496,7 +496,10 @@ def model_split(model: nn.Module, most: int = 64) -> tuple[str, list[tuple[str, 
     """The pieces a model is profiled in, and which split that is: the layer sequence that `pipeline`
     cuts (workloads/sequential.py) where the model is such a chain, else its children opened from the
     top, where one child holds most of the parameters (a wrapper such as a Hugging Face encoder) or is a
-    ModuleList/Sequential (the blocks), until at most `most` pieces (leaf-ish top-level children)."""
+    ModuleList/Sequential (the blocks), until at most `most` pieces (leaf-ish top-level children). A list
+    of blocks too long to open within `most` becomes contiguous groups of its blocks (ModuleGroup), each
+    timed as one in the model's own forward: a ModuleList has no forward of its own to time (a residual
+    model's 70-block body was profiled as if it held none of the compute)."""
     from ddlscope.workloads.sequential import split_layers
 
     try:
@@ -507,21 +510,47 @@ def model_split(model: nn.Module, most: int = 64) -> tuple[str, list[tuple[str, 
         reason = str(why).strip().splitlines()[0] if str(why).strip() else type(why).__name__
     pieces = list(model.named_children())
     total = max(sum(p.numel() for p in model.parameters()), 1)
-    while True:
-        opened = _open_one(pieces, total)
-        if opened is None or len(opened) > most:
+    while (i := _openable(pieces, total)) is not None:
+        name, module = pieces[i]
+        children = list(module.named_children())
+        room = most - (len(pieces) - 1)
+        if len(children) <= room:
+            pieces = pieces[:i] + [(f"{name}.{child}", m) for child, m in children] + pieces[i + 1:]
+        else:  # too many to open: a list of blocks in groups, anything else stays one piece (it has a forward)
+            if isinstance(module, (nn.ModuleList, nn.Sequential)):
+                pieces = pieces[:i] + _grouped(name, children, max(room, 1)) + pieces[i + 1:]
             break
-        pieces = opened
+    # a ModuleList left unopened (the room ran out) is timed as one group: it has no forward to hook
+    pieces = [_grouped(name, list(m.named_children()), 1)[0] if isinstance(m, nn.ModuleList) and len(m) else (name, m)
+              for name, m in pieces]
     return f"children (not a layer chain: {reason})", pieces
 
 
-def _open_one(pieces: list[tuple[str, nn.Module]], total: int) -> list[tuple[str, nn.Module]] | None:
-    """The pieces with the first openable one replaced by its children, None when none opens."""
-    for i, (name, module) in enumerate(pieces):
+class ModuleGroup(nn.Module):
+    """Contiguous children of a list of blocks, timed as one in the model's own forward: from the first's
+    forward pre-hook to the last's forward hook, and back from the gradient of the last's output to that
+    of the first's input (whatever the model does between them, residual adds included, is inside)."""
+
+    def __init__(self, members: list[nn.Module]):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+
+
+def _grouped(name: str, children: list[tuple[str, nn.Module]], groups: int) -> list[tuple[str, nn.Module]]:
+    """`children` in at most `groups` contiguous groups of near-equal sizes, named by their first and last."""
+    size = math.ceil(len(children) / groups)
+    runs = [children[start:start + size] for start in range(0, len(children), size)]
+    return [(f"{name}.{run[0][0]}-{run[-1][0]}", ModuleGroup([m for _, m in run])) for run in runs]
+
+
+def _openable(pieces: list[tuple[str, nn.Module]], total: int) -> int | None:
+    """The index of the first piece to open (a list of blocks, or a wrapper holding most parameters)."""
+    for i, (_, module) in enumerate(pieces):
         children = list(module.named_children())
         share = sum(p.numel() for p in module.parameters()) / total
-        if children and (isinstance(module, (nn.ModuleList, nn.Sequential)) or share > 0.5):
-            return pieces[:i] + [(f"{name}.{child}", m) for child, m in children] + pieces[i + 1:]
+        if (children and not isinstance(module, ModuleGroup)
+                and (isinstance(module, (nn.ModuleList, nn.Sequential)) or share > 0.5)):
+            return i
     return None
 
 
@@ -531,13 +560,107 @@ def profile_modules(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, pie
     loss on the model's output: forward and backward (the output's gradient random, as a real one is
     dense), each the median of `repeats` after `warmup`. `chain`: the pieces are layers applied in
     order (pipeline layers, which may hold wrappers the model's forward never calls), else modules of
-    the model whose inputs a forward pre-hook captures. The model is used as it is (give a copy)."""
-    inputs, output = _captured_inputs(model, x, pieces, chain)
+    the model whose inputs a forward pre-hook captures; a ModuleGroup is timed in the model's own
+    forward and backward (_time_groups). A piece no hook saw is left out (the caller notes it). The
+    model is used as it is (give a copy)."""
+    members = [m for _, piece in pieces if isinstance(piece, ModuleGroup) for m in piece.members]
+    inputs, output = _captured_inputs(model, x, pieces + [("", m) for m in members], chain)
     device = x.device
-    timed = [_time_piece(name, module, *inputs.get(id(module), ((), {})), repeats, warmup, device)
-             for name, module in pieces if id(module) in inputs]
+    in_situ = _time_groups(model, loss_fn, x, y, [(n, p) for n, p in pieces if isinstance(p, ModuleGroup)],
+                           inputs, repeats, warmup)
+    timed = [in_situ[name] if isinstance(module, ModuleGroup) else
+             _time_piece(name, module, *inputs[id(module)], repeats, warmup, device)
+             for name, module in pieces if (name in in_situ if isinstance(module, ModuleGroup) else id(module) in inputs)]
     loss = _LossPiece(loss_fn, y)
     return timed + [_time_piece("loss", loss, (output,), {}, repeats, warmup, device)]
+
+
+def _time_groups(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, groups: list[tuple[str, ModuleGroup]],
+                 inputs: dict[int, tuple[tuple[Any, ...], dict[str, Any]]], repeats: int, warmup: int
+                 ) -> dict[str, ModuleTiming]:
+    """Each group timed in whole forward + backward steps of the model (wall clock, the device synchronised
+    at each mark): forward from its first member's pre-hook to its last member's forward hook; backward from
+    the gradient of the last member's output to that of the first member's input (to the end of the
+    backward where that input needs none). Medians of `repeats` steps after `warmup`."""
+    import statistics
+    import time
+
+    from torch.utils._pytree import tree_flatten
+
+    from ddlscope.runtime.instrument import ActivationMeter
+
+    groups = [(name, group) for name, group in groups if id(group.members[0]) in inputs]
+    if not groups:
+        return {}
+    device = x.device
+    marks: dict[str, dict[str, float]] = {}
+
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def needing_grad(tree: Any) -> list[Tensor]:
+        return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor) and t.requires_grad]
+
+    def on_grad(name: str, key: str, last: bool) -> Any:
+        def hook(grad: Tensor) -> None:
+            t = now()
+            mark = marks.setdefault(name, {})
+            mark[key] = max(mark.get(key, t), t) if last else min(mark.get(key, t), t)
+        return hook
+
+    hooks, meters, metering = [], {name: ActivationMeter(group) for name, group in groups}, [False]
+    entered: dict[str, Any] = {}
+    for name, group in groups:
+        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
+            marks.setdefault(name, {})["f0"] = now()
+            for t in needing_grad((args, kwargs)):
+                t.register_hook(on_grad(name, "b1", last=True))
+            if metering[0]:
+                entered[name] = meters[name].measure()
+                entered[name].__enter__()
+
+        def post(_m: nn.Module, _args: Any, out: Any, name: str = name) -> None:
+            if name in entered:
+                entered.pop(name).__exit__(None, None, None)
+            marks.setdefault(name, {})["f1"] = now()
+            for t in needing_grad(out):
+                t.register_hook(on_grad(name, "b0", last=False))
+
+        hooks += [group.members[0].register_forward_pre_hook(pre, with_kwargs=True),
+                  group.members[-1].register_forward_hook(post)]
+    runs: list[dict[str, dict[str, float]]] = []
+    try:
+        for run in range(warmup + repeats + 1):
+            metering[0] = run == warmup + repeats  # the last run counts activations, untimed
+            marks.clear()
+            loss_fn(model(x), y).backward()
+            end = now()
+            model.zero_grad(set_to_none=True)
+            runs.append({name: {**mark, "end": end} for name, mark in marks.items()})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    timed = runs[warmup:warmup + repeats]
+    out: dict[str, ModuleTiming] = {}
+    for name, group in groups:
+        first_in, last = inputs[id(group.members[0])], group.members[-1]
+        last_in = inputs.get(id(last), ((), {}))
+        out[name] = ModuleTiming(
+            name=name, forward_s=statistics.median(r[name]["f1"] - r[name]["f0"] for r in timed),
+            backward_s=statistics.median(_backward_s(r[name]) for r in timed),
+            param_bytes=sum(p.numel() * p.element_size() for p in group.parameters()),
+            activation_bytes=int(meters[name].bytes), input_bytes=_tensor_bytes(first_in),
+            output_bytes=_tensor_bytes(_output_of(last, *last_in)),
+            flops=sum(_piece_flops(m, *inputs[id(m)]) for m in group.members if id(m) in inputs))
+    return out
+
+
+def _backward_s(mark: dict[str, float]) -> float:
+    """From the gradient of the group's output to its input's (the end of the backward where the input
+    needs none); 0 where the output needs no gradient (no backward runs through the group)."""
+    return mark.get("b1", mark["end"]) - mark["b0"] if "b0" in mark else 0.0
 
 
 class _LossPiece(nn.Module):
