@@ -325,6 +325,16 @@ CASES: dict[str, tuple[list[str], str]] = {
     "calibrate-model-batch-zero": (["calibrate", "--model", "gpt-synthetic", "--batch", "0"], "--batch"),
     "predict-profile-missing": (["predict", "--profile", "nope.toml"], "--profile"),
     "predict-profile-not-a-profile": (["predict", "--profile", "ok.toml"], "--profile"),
+    # issue 38 part 3: predict --profile takes run's checks and refuses the flags it does not use
+    "predict-profile-gossip-one-rank": (["predict", "--profile", "profile.toml", "--strategy", "gossip",
+                                         "--world-size", "1"], "cluster.world_size"),
+    "predict-profile-cpu-on-gpus": (["predict", "--profile", "profile.toml", "--cluster", "a100-80gb:1x2"],
+                                    "not on a catalogue GPU"),
+    "predict-profile-unused-flags": (["predict", "--profile", "profile.toml", "--stack", "ideal", "--zero", "1"],
+                                     "--stack"),
+    "predict-steps-without-profile": (["predict", "--steps", "12", "--hidden", "8"], "--steps"),
+    "calibrate-model-quick": (["calibrate", "--model", "gpt-synthetic", "--quick"], "--quick"),
+    "calibrate-model-db": (["calibrate", "--model", "gpt-synthetic", "--db", "s.db"], "--db"),
     # ---- slurm
     "slurm-zero-nodes": (["slurm", "ok.toml", "--nodes", "0", "--procs-per-node", "2"], "--nodes 0"),
     "slurm-job-name-newline": (["slurm", *SLURM, "--job-name", "a\nb"], "--job-name"),
@@ -496,6 +506,10 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         'name = "s"\n[base]\ncheckpoint_dir = "ck"\n[base.workload]\nname = "mlp-digits"\nsteps = 2\n'
         '[grid]\n"strategy.name" = ["ddp", "localsgd"]\n')
     (tmp_path / "script.py").write_text("raise SystemExit('a bad-input case ran the script')\n")
+    (tmp_path / "profile.toml").write_text(  # a model profile (calibrate --model) of a CPU, its tables empty
+        'kind = "ddlscope model profile"\nbatch = 16\nstep = {}\nstep_by_batch = {}\nfacts = {}\n'
+        'meta = { device_type = "cpu" }\ndevice = { name = "cpu: X" }\n'
+        'workload = { name = "mlp-digits", batch_size = 16 }\n')
     _make_store(tmp_path / "s.db")
     _make_traces(tmp_path)
     monkeypatch.chdir(tmp_path)
