@@ -614,7 +614,7 @@ def _time_groups(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, groups
     entered: dict[str, Any] = {}
     for name, group in groups:
         def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
-            marks.setdefault(name, {})["f0"] = now()
+            marks.setdefault(name, {}).setdefault("f0", now())  # a first block called twice: its first call
             for t in needing_grad((args, kwargs)):
                 t.register_hook(on_grad(name, "b1", last=True))
             if metering[0]:
@@ -648,7 +648,7 @@ def _time_groups(model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, groups
         first_in, last = inputs[id(group.members[0])], group.members[-1]
         last_in = inputs.get(id(last), ((), {}))
         out[name] = ModuleTiming(
-            name=name, forward_s=statistics.median(r[name]["f1"] - r[name]["f0"] for r in timed),
+            name=name, forward_s=statistics.median(max(r[name]["f1"] - r[name]["f0"], 0.0) for r in timed),
             backward_s=statistics.median(_backward_s(r[name]) for r in timed),
             param_bytes=sum(p.numel() * p.element_size() for p in group.parameters()),
             activation_bytes=int(meters[name].bytes), input_bytes=_tensor_bytes(first_in),
