@@ -33,12 +33,18 @@ def test_the_expected_halo_is_the_generated_graphs(sizes, ranks):
     assert mean_halo_nodes(GraphSizes(spec.model_dump()), ranks) == pytest.approx(real, rel=0.02)
 
 
-def test_graph_defaults_are_the_workloads():
-    from ddlscope.predict.estimators.nodepar import GRAPH_DEFAULTS
+def test_graph_defaults_and_auto_mode_are_the_workloads():
+    from ddlscope.predict.estimators.nodepar import GRAPH_DEFAULTS, GraphSizes
+    from ddlscope.specs.strategies.nodepar import NodeParallelSpec
     from ddlscope.workloads.graph import GraphTransformerSpec
 
     defaults = GraphTransformerSpec().model_dump()
     assert {k: defaults[k] for k in GRAPH_DEFAULTS} == GRAPH_DEFAULTS
+    auto = NodeParallelSpec(memory_budget_bytes=2**20)
+    for nodes in (64, 4096):  # below and above the budget: replicate, then node-parallel
+        spec = GraphTransformerSpec(nodes=nodes)
+        assert auto.resolved_mode(GraphSizes({"nodes": nodes}), 2) == auto.resolved_mode(spec, 2)
+    assert {auto.resolved_mode(GraphSizes({"nodes": n}), 2) for n in (64, 4096)} == {"replicate", "node-parallel"}
 
 
 def _nodepar(mode: str) -> dict:
@@ -59,6 +65,8 @@ def test_node_parallel_pays_each_halo_exchange_and_each_meeting():
     assert replicate == pytest.approx(all_reduce_s + SYNC_S)
     split = _nodepar("node-parallel")["breakdown_s"]["comm_wait_s"]
     assert split == pytest.approx(all_reduce_s + 4 * exchange_s + 5 * SYNC_S)
+    alone = {"workload": dict(GRAPH), "strategy": {"name": "nodepar"}, "cluster": {"world_size": 1}}
+    assert predict_local(alone, {}, FACTS, PROBED)["breakdown_s"]["comm_wait_s"] == 0.0
 
 
 def test_a_cocod_average_lands_at_the_next_one_or_at_the_runs_last_step():

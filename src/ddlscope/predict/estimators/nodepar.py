@@ -120,11 +120,13 @@ class NodeParallelEstimator(Estimator):
         return case.replicated_state_bytes + case.activation_bytes, None
 
     def local_comm(self, spec: NodeParallelSpec, case: LocalCase, step: LocalStep) -> LocalComm:
+        if case.world == 1:  # one rank: its all-reduce is with itself, nothing to wait for
+            return LocalComm(0.0, holds_sync_wait=True)
         graph = GraphSizes(case.workload)
         # the gradients and the loss, summed in one all-reduce
         all_reduce_s = message_s(case.profile, "all_reduce", case.param_bytes + FLOAT_BYTES, case.world, case.link)
         exchanges, exchange_s, halo_rows = 0, 0.0, 0.0
-        if case.world > 1 and spec.resolved_mode(graph, case.world) == "node-parallel":
+        if spec.resolved_mode(graph, case.world) == "node-parallel":
             halo_rows = mean_halo_nodes(graph, case.world)
             exchanges = 2 * graph.layers  # one per layer in forward, the reverse one in backward
             exchange_s = halo_exchange_s(case, halo_rows * 2 * graph.hidden * FLOAT_BYTES)
