@@ -119,11 +119,12 @@ def test_an_average_in_flight_takes_the_ranks_cores_only_when_none_is_spare():
     assert any("in flight moves its bytes" in n for n in busy["notes"])
 
 
-@pytest.mark.parametrize("strategy, before, during", [("fedavg", 3, 4), ("mc-psgd", 7, 6)])
+@pytest.mark.parametrize("strategy, before, during", [("fedavg", 2, 4), ("mc-psgd", 5, 6)])
 def test_a_rounds_model_copies_are_the_runtimes(strategy, before, during):
-    """fedavg: flatten the start (2 passes), load it (1); then flatten the end (2), concatenate (1), weight
-    (1). mc-psgd: also clone the chain (1), load the second start (1), flatten the first end between (2);
-    two models concatenated and weighted. The forward phases hold the first, the synchronize phase the second."""
+    """fedavg: flatten the start (2 passes: cat and clone; loading it makes views, none); then flatten the
+    end (2), concatenate (1), weight (1). mc-psgd: also clone the chain (1), flatten the first end between
+    (2); two models concatenated and weighted. The forward phases hold the first, the synchronize phase
+    the second."""
     from ddlscope.predict.estimators.federated import round_copies
     from ddlscope.predict.local import strategy_of
 

@@ -43,13 +43,14 @@ def kept_copies(spec: FedAvgSpec) -> float:
 
 
 # strategies/averaging.py: flat_parameters concatenates the parameters and clones the result (two passes
-# over the model); load_flat_parameters copies a flat vector into them (one)
-FLAT_PASSES, LOAD_PASSES = 2, 1
+# over the model); load_flat_parameters makes them views of the flat vector (torch's vector_to_parameters
+# rebinds param.data: no pass)
+FLAT_PASSES, LOAD_PASSES = 2, 0
 
 
 def round_copies(spec: FedAvgSpec) -> tuple[int, int]:
     """Passes over one model's bytes a round makes (strategies/federated.py train_step): (before and
-    between the trainings: the round's start models, flattened (mc-psgd: and the chain cloned), each
+    between the trainings: the round's start model flattened (mc-psgd: and the chain cloned), each
     loaded, each but the last flattened after training; in the synchronize phase: the last one
     flattened, all concatenated and scaled by the client's weight). What follows the average (loading
     it, the per-block sums) falls between the run's steps and no step holds it."""
