@@ -42,6 +42,10 @@ def test_zero_bubble_first_stage_runs_its_whole_backward_as_its_weight_pass():
     assert (seconds(("I", 0, 0)), seconds(("W", 0, 0))) == (0.0, 2.0)
     assert (seconds(("I", 3, 1)), seconds(("W", 3, 1))) == (1.0, 1.0)
     assert (seconds(("F", 2, 0)), seconds(("B", 2, 0))) == (1.0, 2.0)
+    # the runtime's cost per action comes on top of every kind, an empty I too
+    with_runtime = action_seconds(1.0, 2.0, 0.25)
+    for action in (("F", 1, 0), ("B", 1, 0), ("I", 0, 0), ("W", 0, 0), ("I", 3, 1), ("W", 3, 1)):
+        assert with_runtime(action) == seconds(action) + 0.25, action
 
 
 def test_each_micro_batch_replays_the_ranks_ops():
@@ -69,3 +73,34 @@ def test_multi_stage_schedules_wait_as_torchs_order_plays_out(schedule: str):
     idle_s = timeline.makespan_s - max(timeline.busy_s)
     assert idle_s > 0
     assert b["comm_wait_s"] - row["sync_overhead_s"] == pytest.approx(idle_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("zero-bubble", 2)])
+def test_torchs_runtime_costs_each_action_the_probed_time(schedule: str, chunks: int):
+    """With calibrate's [pipeline] probe, every action of the order takes action_s more: with no compute to
+    speak of, GPipe's step is its 2 (m + p - 1) actions on the critical path at action_s each (the probe's
+    own definition); a calibration without the probe prices none, and says so."""
+    facts = {**FACTS, "ops": 0, "kernels": {"data_s": 0.0, "forward_s": 1e-9, "backward_s": 2e-9, "steps": 9,
+                                            "threads": 1}}
+    config = _config("pipeline", 2, schedule=schedule, chunks=chunks, micro_batches=4)
+    probed = {**PROFILE, "pipeline": {"ws2": {"action_s": 1e-3}}}
+    without, with_probe = (predict_local(config, {}, facts, profile) for profile in (PROFILE, probed))
+    added_s = with_probe["breakdown_s"]["comm_wait_s"] - without["breakdown_s"]["comm_wait_s"]
+    if schedule == "gpipe":
+        assert added_s == pytest.approx(2 * (4 + 2 - 1) * 1e-3, rel=1e-5)
+    else:  # 24 actions a rank (F, I, W of 2 stages x 4 micro-batches), rank 1 starting one action late (its
+        # first forward waits for stage 0's)
+        assert added_s == pytest.approx(25e-3, rel=1e-5)
+    assert any("no [pipeline] probe" in note for note in without["notes"])
+    assert any("per action (probe)" in note for note in with_probe["notes"])
+
+
+def test_the_pipeline_probe_reads_one_action_off_a_gpipe_step():
+    """calibrate's probe divides a GPipe step of negligible compute by the actions on its critical path: the
+    step torch's GPipe order takes at 1 ms an action, played out, gives back 1 ms, at any p and m."""
+    from ddlscope.calibrate.probes import pipeline_action_s
+    from ddlscope.predict.schedule_sim import single_stage_orders
+
+    for ranks, micro_batches in ((2, 4), (3, 4), (4, 8)):
+        step_s = simulate(single_stage_orders("gpipe", ranks, micro_batches), lambda a: 1e-3, ranks).makespan_s
+        assert pipeline_action_s(step_s, micro_batches, ranks) == pytest.approx(1e-3, rel=1e-12)

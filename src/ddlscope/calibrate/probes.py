@@ -47,6 +47,11 @@ What is measured, each with one intra-op thread per process as training ranks us
   sharded less the same block whole less its all-reduces timed alone, over
   the op count (the block's compute is negligible at its width). A few
   seconds.
+- torch's pipelining runtime, per world size (`_pipeline_probe`): a GPipe
+  step of one Linear(8, 8) stage per rank over 4 micro-batches, over the
+  2 (m + p - 1) actions on its critical path: what each schedule action
+  costs beyond its compute (bookkeeping, posting and waiting on its sends
+  and receives). Under a second.
 
 Everything here imports torch inside the function that needs it, so that importing
 ddlscope.calibrate (its profile file, say) costs no torch.
@@ -269,12 +274,51 @@ def collective_worker(sizes_json: str, repeats: int, out_path: str, quick: bool 
         strategies = _strategy_probes(repeats, quick)
         incast = _incast_probe(repeats, quick)
         tp = _tp_probe(repeats)
+        pipeline = _pipeline_probe(repeats)
         if rank == 0:
             Path(out_path).write_text(json.dumps({"median": results, "fastest": fastest, "sync": sync,
-                                                  "ps": incast, "tp": tp, **strategies}))
+                                                  "ps": incast, "tp": tp, "pipeline": pipeline, **strategies}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+PIPELINE_PROBE_MICRO_BATCHES, PIPELINE_PROBE_WIDTH = 4, 8
+
+
+def _pipeline_probe(repeats: int) -> dict[str, Any]:
+    """torch's pipelining runtime per schedule action (its bookkeeping, posting and waiting on each send and
+    receive, gloo's wake-ups): a GPipe step with one Linear(8, 8) stage per rank and 4 micro-batches (the
+    compute negligible) over the 2 (m + p - 1) actions on its critical path, the slowest rank's. 0.8 ms here
+    at load 3.5, where a GPT stage's micro-batch computes a few ms."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    m, width = PIPELINE_PROBE_MICRO_BATCHES, PIPELINE_PROBE_WIDTH
+    stage = PipelineStage(torch.nn.Linear(width, width), rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, m, loss_fn=lambda out, target: (out - target).square().mean())
+    x = torch.zeros(2 * m, width)
+
+    def step() -> None:
+        if rank == 0:
+            schedule.step(x, target=x if world == 1 else None, return_outputs=False)
+        elif rank == world - 1:
+            schedule.step(target=x, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+
+    step_s = _median_time(step, max(10, 4 * repeats))
+    slowest = torch.tensor([pipeline_action_s(step_s, m, world)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"action_s": float(slowest)}
+
+
+def pipeline_action_s(step_s: float, micro_batches: int, ranks: int) -> float:
+    """One action's time from a GPipe step of negligible compute: its critical path runs the first stage's
+    forwards, the last one's, its backwards, the first one's: 2 (m + p - 1) actions."""
+    return step_s / (2 * (micro_batches + ranks - 1))
 
 
 def _matmul_block(target_s: float) -> Any:

@@ -151,6 +151,13 @@ class TpProbe(_Table):
     all_reduce_activation_ratio: Number | None = None  # elements per all-reduce / (batch x seq x hidden)
 
 
+class PipelineProbe(_Table):
+    """What torch's pipelining runtime costs per schedule action on this machine (probes._pipeline_probe): absent
+    in calibrations before it (the predictor then prices the actions' compute and the transfers only)."""
+
+    action_s: Number | None = None  # a GPipe step of a negligible stage per rank over its 2 (m + p - 1) actions
+
+
 class ServerProbe(_Table):
     """A parameter server's transport round (probes._incast_probe)."""
 
@@ -171,6 +178,7 @@ class CalibrationProfile(_Table):
     fsdp: dict[WorldSize, FsdpProbe] | None = None
     ps: dict[WorldSize, ServerProbe] | None = None
     tp: dict[WorldSize, TpProbe] | None = None
+    pipeline: dict[WorldSize, PipelineProbe] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The profile as the plain dict it was made from (what the local predictor reads): the same

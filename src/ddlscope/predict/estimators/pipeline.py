@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ddlscope.calibrate.model import message_s
+from ddlscope.calibrate.model import machine_probe, message_s
 from ddlscope.predict import collectives as coll
 from ddlscope.predict import strategies as pst
 from ddlscope.predict.estimators import ESTIMATORS
@@ -89,41 +89,57 @@ class PipelineEstimator(Estimator):
         return replay_s + extra_s, notes
 
     def local_comm(self, spec: PipelineSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        """The bubble and the transfers between stages, as waiting: torch's action order (GPipe, 1F1B,
-        interleaved 1F1B, interleaved zero-bubble; predict/schedule_sim.py) played out with the rank's
-        forward and backward split evenly over its stages and micro-batches (stages of equal compute), each
-        activation or gradient reaching the next stage one calibrated p2p message later (batch / m x seq x
-        hidden fp32, a GPT's sizes from its config); the busiest rank's idle."""
+        """The bubble, the transfers between stages and torch's runtime, as waiting: torch's action order
+        (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble; predict/schedule_sim.py) played out with the
+        rank's forward and backward split evenly over its stages and micro-batches (stages of equal compute),
+        each action taking the calibrated runtime cost per action more (calibrate's [pipeline] probe, where the
+        calibration has it), and each activation or gradient reaching the next stage one calibrated p2p
+        message later (batch / m x seq x hidden fp32, a GPT's sizes from its config); the busiest rank's
+        step beyond its compute."""
         p, m, v = spec.pipeline_ranks(case.world), spec.micro_batches, spec.chunks
         transfer_s, notes = stage_transfer_s(spec, case)
+        action_s, runtime_notes = runtime_action_s(case, p)
         orders = (single_stage_orders(spec.schedule, p, m) if v == 1
                   else interleaved_orders(spec.schedule, p, m, v))
-        timeline = simulate(orders, action_seconds(step.forward_s / (m * v), step.backward_s / (m * v)), p * v,
-                            transfer_s)
-        busiest = max(range(p), key=lambda r: timeline.busy_s[r])
-        idle_s = timeline.makespan_s - timeline.busy_s[busiest]
-        notes.append(f"pipeline: {spec.schedule}'s order (torch's) played out: idle {idle_s * 1e3:.2f} ms a step")
+        timeline = simulate(orders, action_seconds(step.forward_s / (m * v), step.backward_s / (m * v), action_s),
+                            p * v, transfer_s)
+        compute_s = [timeline.busy_s[r] - len(orders[r]) * action_s for r in range(p)]
+        busiest = max(range(p), key=lambda r: compute_s[r])
+        wait_s = timeline.makespan_s - compute_s[busiest]
+        notes += runtime_notes
+        notes.append(f"pipeline: {spec.schedule}'s order (torch's) played out: {wait_s * 1e3:.2f} ms a step beyond "
+                     f"the busiest rank's compute ({len(orders[busiest])} actions)")
         if spec.schedule == "zero-bubble":
             notes.append("pipeline: zero-bubble's split backward priced as the plain backward's halves (its extra "
                          "autograd passes are not priced)")
         if spec.dp > 1:
             notes.append("pipeline dp > 1: the replicas' gradient all-reduce is not priced on this machine")
-        return LocalComm(idle_s, notes=notes)
+        return LocalComm(wait_s, notes=notes)
 
 
-def action_seconds(forward_s: float, backward_s: float) -> Callable[[Action], float]:
-    """An action's seconds from one stage's forward and backward of one micro-batch: zero-bubble's input- and
-    weight-gradient halves each half the backward, but on the first stage, whose input needs no gradient,
-    torch runs the whole backward as the W (stage.py backward_weight_one_chunk)."""
+def runtime_action_s(case: LocalCase, ranks: int) -> tuple[float, list[str]]:
+    """What torch's pipelining runtime costs per schedule action beyond its compute (calibrate's [pipeline]
+    probe at the pipeline's ranks); 0 for a calibration without it, and said."""
+    probe = machine_probe(case.profile, "pipeline", ranks)
+    if probe is None or probe.action_s is None:
+        return 0.0, ["pipeline: the calibration has no [pipeline] probe: torch's runtime per action is not priced"]
+    return float(probe.action_s), [f"pipeline: torch's runtime {probe.action_s * 1e3:.2f} ms per action (probe)"]
+
+
+def action_seconds(forward_s: float, backward_s: float, overhead_s: float = 0.0) -> Callable[[Action], float]:
+    """An action's seconds from one stage's forward and backward of one micro-batch, plus the runtime's
+    `overhead_s` per action: zero-bubble's input- and weight-gradient halves each half the backward, but on
+    the first stage, whose input needs no gradient, torch runs the whole backward as the W (stage.py
+    backward_weight_one_chunk)."""
     def seconds(action: Action) -> float:
         kind, stage, _ = action
         if kind == "F":
-            return forward_s
+            return forward_s + overhead_s
         if kind == "B":
-            return backward_s
+            return backward_s + overhead_s
         if stage == 0:
-            return 0.0 if kind == "I" else backward_s
-        return backward_s / 2
+            return (0.0 if kind == "I" else backward_s) + overhead_s
+        return backward_s / 2 + overhead_s
 
     return seconds
 
