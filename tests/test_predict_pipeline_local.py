@@ -46,6 +46,9 @@ def test_zero_bubble_first_stage_runs_its_whole_backward_as_its_weight_pass():
     with_runtime = action_seconds(1.0, 2.0, 0.25)
     for action in (("F", 1, 0), ("B", 1, 0), ("I", 0, 0), ("W", 0, 0), ("I", 3, 1), ("W", 3, 1)):
         assert with_runtime(action) == seconds(action) + 0.25, action
+    # zero-bubble's graph walks: on the input pass of a stage that has an input gradient, not on W, not on stage 0
+    split = action_seconds(1.0, 2.0, 0.25, 0.5)
+    assert (split(("I", 3, 1)), split(("W", 3, 1)), split(("I", 0, 0)), split(("W", 0, 0))) == (1.75, 1.25, 0.25, 2.25)
 
 
 def test_each_micro_batch_replays_the_ranks_ops():
@@ -66,13 +69,24 @@ def test_multi_stage_schedules_wait_as_torchs_order_plays_out(schedule: str):
     """The interleaved schedules' waiting is torch's order played out (not the formula's bubble): each of
     the rank's 2 stages x 4 micro-batches an eighth of its forward and backward; the busiest rank's idle."""
     facts = {**FACTS, "kernels": {"data_s": 0.0, "forward_s": 4e-3, "backward_s": 8e-3, "steps": 9, "threads": 1}}
-    row = predict_local(_config("pipeline", 2, schedule=schedule, chunks=2, micro_batches=4), {}, facts, PROFILE)
+    config = _config("pipeline", 2, schedule=schedule, chunks=2, micro_batches=4)
+    row = predict_local(config, {}, facts, PROFILE)
     b = row["breakdown_s"]
     timeline = simulate([_parse(r) for r in TORCH_ORDERS[schedule]],
                         action_seconds(b["forward_s"] / 8, b["backward_s"] / 8), 4)
     idle_s = timeline.makespan_s - max(timeline.busy_s)
     assert idle_s > 0
     assert b["comm_wait_s"] - row["sync_overhead_s"] == pytest.approx(idle_s, rel=1e-9)
+    # with the runtime's cost per action and zero-bubble's graph walks probed, the step is still the played
+    # order: its wait is the makespan beyond the rank's compute as priced (forward + backward)
+    split_s = 2e-5 * FACTS["ops"] / 4 if schedule == "zero-bubble" else 0.0
+    probed = {**PROFILE, "pipeline": {"ws2": {"action_s": 1e-4, "split_backward_op_s": 2e-5}}}
+    row = predict_local(config, {}, facts, probed)
+    b = row["breakdown_s"]
+    timeline = simulate([_parse(r) for r in TORCH_ORDERS[schedule]],
+                        action_seconds(b["forward_s"] / 8, b["backward_s"] / 8, 1e-4, split_s), 4)
+    assert b["comm_wait_s"] - row["sync_overhead_s"] == pytest.approx(
+        timeline.makespan_s - b["forward_s"] - b["backward_s"], rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule,chunks", [("gpipe", 1), ("zero-bubble", 2)])
@@ -104,3 +118,18 @@ def test_the_pipeline_probe_reads_one_action_off_a_gpipe_step():
     for ranks, micro_batches in ((2, 4), (3, 4), (4, 8)):
         step_s = simulate(single_stage_orders("gpipe", ranks, micro_batches), lambda a: 1e-3, ranks).makespan_s
         assert pipeline_action_s(step_s, micro_batches, ranks) == pytest.approx(1e-3, rel=1e-12)
+
+
+def test_zero_bubbles_input_passes_cost_the_probed_extra_per_op():
+    """With calibrate's split_backward_op_s, each input-gradient pass of a stage that has an input gradient
+    (all but stage 0) costs that x the stage's ops (1/(p v) of the model's) more: with no compute to speak of,
+    rank 1 (stages 1 and 3) runs 8 of them in a row; other schedules pay none."""
+    facts = {**FACTS, "kernels": {"data_s": 0.0, "forward_s": 1e-9, "backward_s": 2e-9, "steps": 9, "threads": 1}}
+    probed = {**PROFILE, "pipeline": {"ws2": {"split_backward_op_s": 1e-5}}}
+    zero_bubble = _config("pipeline", 2, schedule="zero-bubble", chunks=2, micro_batches=4)
+    without, with_probe = (predict_local(zero_bubble, {}, facts, profile) for profile in (PROFILE, probed))
+    added_s = with_probe["breakdown_s"]["comm_wait_s"] - without["breakdown_s"]["comm_wait_s"]
+    assert added_s == pytest.approx(8 * 1e-5 * FACTS["ops"] / 4, rel=1e-6)
+    assert any("no split_backward_op_s" in note for note in without["notes"])
+    interleaved = _config("pipeline", 2, schedule="interleaved", chunks=2, micro_batches=4)
+    assert predict_local(interleaved, {}, facts, probed)["step_s"] == predict_local(interleaved, {}, facts, PROFILE)["step_s"]

@@ -51,7 +51,9 @@ What is measured, each with one intra-op thread per process as training ranks us
   step of one Linear(8, 8) stage per rank over 4 micro-batches, over the
   2 (m + p - 1) actions on its critical path: what each schedule action
   costs beyond its compute (bookkeeping, posting and waiting on its sends
-  and receives). Under a second.
+  and receives); and zero-bubble's split backward (torch's input- then
+  weight-gradient passes) against a full one on 8 tiny blocks, per op of
+  their forward + backward as the facts count ops. Under a second.
 
 Everything here imports torch inside the function that needs it, so that importing
 ddlscope.calibrate (its profile file, say) costs no torch.
@@ -312,7 +314,55 @@ def _pipeline_probe(repeats: int) -> dict[str, Any]:
     step_s = _median_time(step, max(10, 4 * repeats))
     slowest = torch.tensor([pipeline_action_s(step_s, m, world)], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"action_s": float(slowest)}
+    split = torch.tensor([_split_backward_op_s(repeats)], dtype=torch.float64)
+    dist.all_reduce(split)  # mean over the ranks, each timing it beside the others
+    return {"action_s": float(slowest), "split_backward_op_s": float(split) / world}
+
+
+SPLIT_PROBE_BLOCKS, SPLIT_PROBE_WIDTH = 8, 8
+
+
+def _split_backward_op_s(repeats: int) -> float:
+    """What zero-bubble's split backward costs beyond a full one, per op: torch's stage_backward_input then
+    stage_backward_weight (Python walks of the autograd graph, an autograd.grad per parameter group) against
+    its stage_backward, on 8 blocks of Linear(8, 8), LayerNorm, GELU (compute negligible), over the blocks'
+    forward + backward ops as the workload's facts count them (runtime/profiler.py): the median of paired
+    differences. 7-13 us here on 2 ranks at once at load 2-4, where a GPT block's split backward measured
+    ~5 us an op more than its plain one."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    from ddlscope.runtime.profiler import profile_step
+
+    width = SPLIT_PROBE_WIDTH
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+                             for _ in range(SPLIT_PROBE_BLOCKS)])
+    x = torch.zeros(4, width)
+
+    def backward(split: bool) -> None:
+        inp = x.clone().requires_grad_()
+        out = blocks(inp)
+        grad = torch.ones_like(out)
+        if split:
+            _, groups = stage_backward_input([out], [grad], [inp], blocks.parameters())
+            stage_backward_weight(blocks.parameters(), groups)
+        else:
+            stage_backward(out, grad, [inp])
+        blocks.zero_grad(set_to_none=True)
+
+    backward(True)
+    backward(False)
+    extra_s = []  # split and full in turn, so that other work on the machine weighs on both alike
+    for _ in range(max(20, 8 * repeats)):
+        t0 = time.perf_counter()
+        backward(True)
+        t1 = time.perf_counter()
+        backward(False)
+        extra_s.append(2 * t1 - t0 - time.perf_counter())
+    step = profile_step(blocks, lambda out, target: (out - target).square().mean(), x, x, count_ops=True)
+    assert step.ops is not None
+    return max(statistics.median(extra_s), 0.0) / step.ops.ops
 
 
 def pipeline_action_s(step_s: float, micro_batches: int, ranks: int) -> float:

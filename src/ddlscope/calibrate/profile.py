@@ -156,6 +156,9 @@ class PipelineProbe(_Table):
     in calibrations before it (the predictor then prices the actions' compute and the transfers only)."""
 
     action_s: Number | None = None  # a GPipe step of a negligible stage per rank over its 2 (m + p - 1) actions
+    # zero-bubble's input- then weight-gradient passes (torch's stage_backward_input, stage_backward_weight) over
+    # one full stage backward, per op of the stage's forward + backward as the workload's facts count them
+    split_backward_op_s: Number | None = None
 
 
 class ServerProbe(_Table):

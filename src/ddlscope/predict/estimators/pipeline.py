@@ -99,19 +99,19 @@ class PipelineEstimator(Estimator):
         p, m, v = spec.pipeline_ranks(case.world), spec.micro_batches, spec.chunks
         transfer_s, notes = stage_transfer_s(spec, case)
         action_s, runtime_notes = runtime_action_s(case, p)
+        split_s, split_notes = split_backward_extra_s(spec, case)
         orders = (single_stage_orders(spec.schedule, p, m) if v == 1
                   else interleaved_orders(spec.schedule, p, m, v))
-        timeline = simulate(orders, action_seconds(step.forward_s / (m * v), step.backward_s / (m * v), action_s),
-                            p * v, transfer_s)
-        compute_s = [timeline.busy_s[r] - len(orders[r]) * action_s for r in range(p)]
+        seconds = action_seconds(step.forward_s / (m * v), step.backward_s / (m * v), action_s, split_s)
+        timeline = simulate(orders, seconds, p * v, transfer_s)
+        # the rank's compute as priced outside (local.py): what the runtime and the split backward add is waiting
+        compute_s = [timeline.busy_s[r] - len(orders[r]) * action_s
+                     - sum(split_s for kind, stage, _ in orders[r] if kind == "I" and stage > 0) for r in range(p)]
         busiest = max(range(p), key=lambda r: compute_s[r])
         wait_s = timeline.makespan_s - compute_s[busiest]
-        notes += runtime_notes
+        notes += runtime_notes + split_notes
         notes.append(f"pipeline: {spec.schedule}'s order (torch's) played out: {wait_s * 1e3:.2f} ms a step beyond "
                      f"the busiest rank's compute ({len(orders[busiest])} actions)")
-        if spec.schedule == "zero-bubble":
-            notes.append("pipeline: zero-bubble's split backward priced as the plain backward's halves (its extra "
-                         "autograd passes are not priced)")
         if spec.dp > 1:
             notes.append("pipeline dp > 1: the replicas' gradient all-reduce is not priced on this machine")
         return LocalComm(wait_s, notes=notes)
@@ -126,11 +126,28 @@ def runtime_action_s(case: LocalCase, ranks: int) -> tuple[float, list[str]]:
     return float(probe.action_s), [f"pipeline: torch's runtime {probe.action_s * 1e3:.2f} ms per action (probe)"]
 
 
-def action_seconds(forward_s: float, backward_s: float, overhead_s: float = 0.0) -> Callable[[Action], float]:
+def split_backward_extra_s(spec: PipelineSpec, case: LocalCase) -> tuple[float, list[str]]:
+    """Zero-bubble's input-gradient pass on a stage that has one (all but the first) walks the autograd graph
+    and its weight pass calls autograd per parameter group: per stage and micro-batch, the calibrated extra
+    per op (calibrate's [pipeline] probe) x the stage's ops (1/(p v) of the model's); 0 for other schedules
+    and for a calibration without the figure, said."""
+    if spec.schedule != "zero-bubble":
+        return 0.0, []
+    probe = machine_probe(case.profile, "pipeline", spec.pipeline_ranks(case.world))
+    if probe is None or probe.split_backward_op_s is None:
+        return 0.0, ["pipeline: zero-bubble's split backward priced as the plain backward's halves (the calibration "
+                     "has no split_backward_op_s)"]
+    extra_s = float(probe.split_backward_op_s) * case.facts["ops"] / (spec.pipeline_ranks(case.world) * spec.chunks)
+    return extra_s, [f"pipeline: zero-bubble's split backward {extra_s * 1e3:.2f} ms more per stage and micro-batch "
+                     f"(probe)"]
+
+
+def action_seconds(forward_s: float, backward_s: float, overhead_s: float = 0.0,
+                   split_s: float = 0.0) -> Callable[[Action], float]:
     """An action's seconds from one stage's forward and backward of one micro-batch, plus the runtime's
-    `overhead_s` per action: zero-bubble's input- and weight-gradient halves each half the backward, but on
-    the first stage, whose input needs no gradient, torch runs the whole backward as the W (stage.py
-    backward_weight_one_chunk)."""
+    `overhead_s` per action: zero-bubble's input- and weight-gradient halves each half the backward, the input
+    pass `split_s` more (its walks of the autograd graph), but on the first stage, whose input needs no
+    gradient, torch runs the whole backward as the W (stage.py backward_weight_one_chunk)."""
     def seconds(action: Action) -> float:
         kind, stage, _ = action
         if kind == "F":
@@ -139,7 +156,7 @@ def action_seconds(forward_s: float, backward_s: float, overhead_s: float = 0.0)
             return backward_s + overhead_s
         if stage == 0:
             return (0.0 if kind == "I" else backward_s) + overhead_s
-        return backward_s / 2 + overhead_s
+        return backward_s / 2 + overhead_s + (split_s if kind == "I" else 0.0)
 
     return seconds
 
