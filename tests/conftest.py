@@ -29,10 +29,11 @@ def run_cli(*args: str, cwd: Path, timeout_s: float = 240, columns: int = 200) -
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
-def run_cli_here(*args: str, cwd: Path, columns: int = 200) -> CliResult:
+def run_cli_here(*args: str, cwd: Path, columns: int = 200, timeout_s: float | None = None) -> CliResult:  # noqa: ARG001
     """`ddlscope ARGS` in this process, from `cwd`: the same exit status, standard output and error as
     run_cli, for tests that need no process of their own. The second and later runs reuse this process's
-    imports and rank fork server: a short run takes ~2 s here instead of ~9 s in a fresh process."""
+    imports and rank fork server: a short run takes ~2 s here instead of ~9 s in a fresh process.
+    `timeout_s` is run_cli's, taken and ignored: the test's own timeout applies."""
     import contextlib
     import io
 

@@ -9,6 +9,12 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 @pytest.mark.timeout(240)
 def test_mgwfbp_run_and_buckets_command(cli):
     result = cli("run", "-w", "cnn-digits", "-s", "ddp", "-n", "2", "--steps", "6", "--batch-size", "64", "--quiet",

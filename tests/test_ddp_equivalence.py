@@ -17,12 +17,12 @@ COMMON = {"workload.name": "mlp-digits", "workload.batch_size": 32, "workload.lr
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Run 1: single, one process; run 2: ddp on 2 ranks; the same experiment otherwise."""
-    from conftest import run_cli
+    from conftest import run_cli_here
 
     home = tmp_path_factory.mktemp("ddp-equivalence")
     models = {}
     for strategy, world in (("single", 1), ("ddp", 2)):
-        result = run_cli("run", "--workload", "mlp-digits", "--strategy", strategy, "--world-size", str(world),
+        result = run_cli_here("run", "--workload", "mlp-digits", "--strategy", strategy, "--world-size", str(world),
                          "--steps", str(STEPS), "--batch-size", "32", "--seed", "3", "--set", "workload.lr=0.2",
                          "--set", f"save_model_path=\"{home / strategy}.pt\"", "--quiet", cwd=home, timeout_s=180)
         assert result.returncode == 0, result.stderr
@@ -50,10 +50,10 @@ def test_ddp_matches_single_with_double_batch(runs):
 
 @pytest.mark.timeout(300)
 def test_speedup_appears_once_a_single_baseline_exists(runs):
-    from conftest import run_cli
+    from conftest import run_cli_here
 
     home, _ = runs
-    shown = run_cli("show", "2", "--json", cwd=home, timeout_s=60)
+    shown = run_cli_here("show", "2", "--json", cwd=home, timeout_s=60)
     assert shown.returncode == 0, shown.stderr
     summary = json.loads(shown.stdout)
     assert summary["run"]["strategy"] == "ddp"

@@ -12,6 +12,12 @@ from ddlscope.runtime.emulation import resolve_link
 from ddlscope.strategies.comm import CommRecorder, LinkModel
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def test_link_model_uses_ring_wire_bytes():
     link = LinkModel(alpha_s=1e-3, bandwidth_bytes_per_s=1e6)
     assert link.transfer_s("all_reduce", 1_000_000, 4) == pytest.approx(1e-3 + 2 * 3 / 4)

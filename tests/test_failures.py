@@ -8,6 +8,12 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 
+@pytest.fixture
+def cli(cli_here):
+    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
+    return cli_here
+
+
 def test_crashed_rank_fails_the_run_and_keeps_its_rows(cli, tmp_path):
     result = cli("run", "--strategy", "ddp", "--world-size", "2", "--steps", "20", "--quiet",
                  "--set", "cluster.faults=[{rank = 1, step = 5}]", timeout_s=240)

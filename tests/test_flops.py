@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli_here
 from ddlscope.runtime.flops import count_step_flops, gpt_closed_form_flops, parse_flops_message
 from ddlscope.workloads import WORKLOADS
 
@@ -55,11 +55,11 @@ def test_counted_flops_scale_with_the_batch():
 
 @lru_cache(maxsize=None)
 def _run(folder: str, strategy: str, world: int) -> tuple[dict, list[dict]]:
-    result = run_cli("run", "--quiet", "--json", *TINY, "--strategy", strategy, "--world-size", str(world),
+    result = run_cli_here("run", "--quiet", "--json", *TINY, "--strategy", strategy, "--world-size", str(world),
                      "--name", f"{strategy}{world}", cwd=Path(folder), timeout_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout)
-    events = run_cli("export", summary["run"]["name"], "--format", "json", cwd=Path(folder), timeout_s=30)
+    events = run_cli_here("export", summary["run"]["name"], "--format", "json", cwd=Path(folder), timeout_s=30)
     assert events.returncode == 0, events.stderr
     flops = [parse_flops_message(e["message"]) | {"rank": e["rank"]}
              for e in json.loads(events.stdout)["events"] if e["kind"] == "flops"]

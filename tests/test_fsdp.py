@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_cli
+from conftest import run_cli_here
 from phase_checks import assert_store_phases
 from ddlscope.runtime.instrument import optimizer_state_bytes, parameter_bytes
 from ddlscope.specs import ConfigError
@@ -31,7 +31,7 @@ def _query(folder: Path, sql: str, *params: object) -> list[tuple]:
 
 def _run(folder: Path, *args: str, timeout_s: float = 120) -> int:
     """Run one experiment in `folder`; return its run id."""
-    result = run_cli("run", "--quiet", *args, cwd=folder, timeout_s=timeout_s)
+    result = run_cli_here("run", "--quiet", *args, cwd=folder, timeout_s=timeout_s)
     assert result.returncode == 0, result.stdout + result.stderr
     return _query(folder, "SELECT MAX(id) FROM runs")[0][0]
 

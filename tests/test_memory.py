@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_cli
+from conftest import run_cli_here
 from ddlscope.cli import main
 from ddlscope.predict.model_memory import MemoryQuery, price
 from ddlscope.runtime.config import load_experiment
@@ -234,7 +234,7 @@ def test_memory_bad_input(argv, message, capsys, tmp_path, monkeypatch):
 def test_estimate_matches_a_measured_fsdp_run(tmp_path, capsys, monkeypatch):
     model = "module:examples.my_model:build"
     db = tmp_path / "m.db"
-    ran = run_cli("run", "--workload", model, "--strategy", "fsdp", "--world-size", "2", "--steps", "2",
+    ran = run_cli_here("run", "--workload", model, "--strategy", "fsdp", "--world-size", "2", "--steps", "2",
                   "--batch-size", "8", "--db", str(db), "--quiet", cwd=ROOT, timeout_s=200)
     assert ran.returncode == 0, ran.stderr
     from ddlscope.store import Store

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC, run_cli
+from conftest import SRC, run_cli_here
 from ddlscope.analysis.trace_merge import RankTrace, TraceMergeError, merge_traces
 
 PHASES = ("ddlscope.data", "ddlscope.forward", "ddlscope.backward", "ddlscope.synchronize", "ddlscope.optimizer")
@@ -18,7 +18,7 @@ TINY = ("--workload", "gpt-synthetic", "--set", "workload.hidden=32", "--set", "
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     home = tmp_path_factory.mktemp("trace")
-    result = run_cli("run", "--quiet", *TINY, "--strategy", "ddp", "--world-size", "2", "--trace", "--name", "traced",
+    result = run_cli_here("run", "--quiet", *TINY, "--strategy", "ddp", "--world-size", "2", "--trace", "--name", "traced",
                      cwd=home, timeout_s=60)
     assert result.returncode == 0, result.stdout + result.stderr
     return home
@@ -38,7 +38,7 @@ def test_traced_run_writes_a_trace_per_rank_beside_the_store(traced):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(40)
 def test_trace_command_merges_ranks_on_one_clock(traced):
-    result = run_cli("trace", "traced", "-o", "run.json", cwd=traced, timeout_s=30)
+    result = run_cli_here("trace", "traced", "-o", "run.json", cwd=traced, timeout_s=30)
     assert result.returncode == 0, result.stderr
     assert "wrote run.json" in result.stdout
     events = json.loads((traced / "run.json").read_text())["traceEvents"]
@@ -59,12 +59,12 @@ def test_trace_command_merges_ranks_on_one_clock(traced):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(40)
 def test_trace_of_bad_or_untraced_run_is_one_line_exit_2(traced, tmp_path):
-    bad = run_cli("trace", "no-such-run", cwd=traced, timeout_s=30)
+    bad = run_cli_here("trace", "no-such-run", cwd=traced, timeout_s=30)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
-    plain = run_cli("run", "--quiet", *TINY, "--strategy", "single", "--world-size", "1", "--steps", "2",
+    plain = run_cli_here("run", "--quiet", *TINY, "--strategy", "single", "--world-size", "1", "--steps", "2",
                     "--name", "plain", cwd=traced, timeout_s=60)
     assert plain.returncode == 0, plain.stderr
-    untraced = run_cli("trace", "plain", cwd=traced, timeout_s=30)
+    untraced = run_cli_here("trace", "plain", cwd=traced, timeout_s=30)
     assert untraced.returncode == 2 and "no traces" in untraced.stderr
     assert len(untraced.stderr.strip().splitlines()) == 1
 
