@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from conftest import SRC
 
 from ddlscope.calibrate import fit_alpha_beta, fit_matmul, load_profile, message_sizes, to_toml, write_profile
 from ddlscope.specs import ConfigError
@@ -99,14 +96,11 @@ def test_load_profile_errors_are_one_line(tmp_path: Path):
         load_profile(bad)
 
 
-def _cli(tmp_path: Path, *args: str, timeout_s: float = 170):
-    import os
-    import subprocess
+def _cli(tmp_path: Path, *args: str):
+    """The CLI in this process (conftest.run_cli_here): calibrate's ranks come from the reused fork server."""
+    from conftest import run_cli_here
 
-    code = "import sys; from ddlscope.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    return run_cli_here(*args, cwd=tmp_path)
 
 
 def test_bad_world_sizes_are_a_one_line_error(tmp_path: Path):

@@ -266,7 +266,7 @@ def in_one_group(user_home: Path, tmp_path_factory) -> Path:
 def test_every_source_trains_under_ddp_fsdp_and_a_parameter_server(source: str, user_home: Path,
                                                                    in_one_group: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import run_cli
+    from conftest import run_cli_here as run_cli  # no process of its own needed: the fork server is reused
 
     monkeypatch.chdir(user_home)  # module:examples... is imported from where the user runs
     name, knobs = SMALL[source]
