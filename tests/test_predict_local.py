@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SRC
+from conftest import SRC, run_cli_here
 
 from ddlscope.calibrate import write_profile
 from ddlscope.predict.local import model_state_bytes, predict_local
@@ -93,10 +93,7 @@ def test_predict_run_on_a_stored_ddp_run(workload: dict, tmp_path: Path, monkeyp
                                  "workload.optimizer": "adamw", "workload.lr": 1e-3, **workload})
     assert launch(exp, db).status == "finished"
     write_profile(PROFILE, tmp_path / "cal.toml")
-    code = "import sys; from ddlscope.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.run([sys.executable, "-c", code, "predict-run", "1", "--calibration", "cal.toml", "--json"],
-                          cwd=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(SRC), str(SRC.parent)]),
-                                             "COLUMNS": "200"}, capture_output=True, text=True, timeout=120)
+    proc = run_cli_here("predict-run", "1", "--calibration", "cal.toml", "--json", cwd=tmp_path)  # fork server reused
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert set(result) == {"run", "calibration", "predicted", "measured", "error"}
@@ -107,8 +104,7 @@ def test_predict_run_on_a_stored_ddp_run(workload: dict, tmp_path: Path, monkeyp
     assert measured > 0 and abs(predicted - measured) / measured <= 0.05
     assert abs(result["error"]["model_state_error"]) <= 0.05
 
-    missing = subprocess.run([sys.executable, "-c", code, "predict-run", "1", "--calibration", "nope.toml"],
-                             cwd=tmp_path, env={"PYTHONPATH": str(SRC)}, capture_output=True, text=True, timeout=60)
+    missing = run_cli_here("predict-run", "1", "--calibration", "nope.toml", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.startswith("error: calibration file")
 
 
