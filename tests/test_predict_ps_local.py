@@ -11,15 +11,14 @@ from ddlscope.predict.estimators.hpsgd import HPSGDEstimator
 from ddlscope.predict.estimators.ps import (
     PSAsyncEstimator, PSSyncEstimator, exchange_parts, exchange_wakeup_s, served_beside_compute_s)
 from ddlscope.predict.local import local_case, predict_local, strategy_of
+from test_predict_local import PROFILE as LOCAL_PROFILE, _config
 
 MEETING_S = 3e-3  # the synchronisation probe's wait at a meeting of the run's processes
+# test_predict_local's calibration on this machine's 2 cores, with a 3-process table (two workers and a server)
 PROFILE = {
+    **LOCAL_PROFILE,
     "meta": {"cores": 2},
-    "compute": {"matmul": {"peak_flops": 1e11}, "peak_flops": 1e11, "op_overhead_s": 2e-6,
-                "optimizer_tensor_s": 3e-6, "memory_bandwidth_bytes_per_s": 1e10, "threads": 1},
-    "collectives": {f"ws{n}": {op: {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9, "r2": 1.0, "r2_all": 1.0}
-                               for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")}
-                    for n in (2, 3)},
+    "collectives": {**LOCAL_PROFILE["collectives"], "ws3": LOCAL_PROFILE["collectives"]["ws2"]},
     "sync": {f"ws{n}": {"block_alone_s": [0.002, 0.008], "compute_stretch": [1.0, 1.0],
                         "sync_overhead_s": [MEETING_S, MEETING_S]} for n in (2, 3)},
     # one server and two workers: rounds back to back and with compute between them, flat in the compute
@@ -30,11 +29,6 @@ FACTS = {"flops": 10**9, "ops": 100, "param_numel": [250_000], "param_dim0": [50
          "optimizer": "sgd", "momentum": 0.0, "per_rank_batch": 32,
          "kernels": {"data_s": 0.0, "forward_s": 2e-3, "backward_s": 4e-3, "optimizer_s": 1e-4, "steps": 5}}
 CUSTOM = {"network": {"emulated": True, "alpha_s": 1e-3, "bandwidth_bytes_per_s": 1e7}}
-
-
-def _config(strategy: str, world: int = 2, **extra) -> dict:
-    return {"workload": {"name": "mlp-digits", "optimizer": "sgd"}, "strategy": {"name": strategy, **extra},
-            "cluster": {"world_size": world}}
 
 
 def _case(strategy: str, world: int = 2, environment: dict | None = None, profile: dict = PROFILE, **extra):

@@ -56,19 +56,17 @@ def test_profile_holds_layers_whole_step_flops_and_device(gpt_profile: tuple[Pat
     assert p["step_by_batch"]["forward_s"][-1] == p["step"]["forward_s"]
 
 
-def test_a_model_that_is_no_chain_is_profiled_by_its_children():
-    """Hooks capture each child's input in the model's own forward: a residual model's opened ModuleList."""
+def _residual(blocks: int) -> "torch.nn.Module":
+    """A model that is no chain: a Linear in, `blocks` residual Linear layers in a ModuleList (which has no
+    forward of its own), a Linear out."""
     import torch
     from torch import nn
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ddlscope.runtime.profiler import model_split, profile_modules
 
     class Residual(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.inp = nn.Linear(8, 16)
-            self.body = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.body = nn.ModuleList(nn.Linear(16, 16) for _ in range(blocks))
             self.out = nn.Linear(16, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +75,18 @@ def test_a_model_that_is_no_chain_is_profiled_by_its_children():
                 h = h + layer(h).relu()
             return self.out(h)
 
-    model, loss_fn = Residual(), nn.functional.cross_entropy
+    return Residual()
+
+
+def test_a_model_that_is_no_chain_is_profiled_by_its_children():
+    """Hooks capture each child's input in the model's own forward: a residual model's opened ModuleList."""
+    import torch
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddlscope.runtime.profiler import model_split, profile_modules
+
+    model, loss_fn = _residual(blocks=2), nn.functional.cross_entropy
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     split, pieces = model_split(model)
     assert split.startswith("children") and [name for name, _ in pieces] == ["inp", "body.0", "body.1", "out"]
@@ -211,20 +220,7 @@ def test_a_long_list_of_blocks_is_timed_in_groups():
 
     from ddlscope.runtime.profiler import ModuleGroup, model_split, profile_modules
 
-    class Residual(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(8, 16)
-            self.body = nn.ModuleList(nn.Linear(16, 16) for _ in range(70))
-            self.out = nn.Linear(16, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.inp(x)
-            for layer in self.body:
-                h = h + layer(h).relu()
-            return self.out(h)
-
-    model, loss_fn = Residual(), nn.functional.cross_entropy
+    model, loss_fn = _residual(blocks=70), nn.functional.cross_entropy
     x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
     _, pieces = model_split(model, most=8)
     names = [name for name, _ in pieces]
