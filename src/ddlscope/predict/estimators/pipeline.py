@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 from ddlscope.calibrate.model import machine_probe, message_s
 from ddlscope.predict import collectives as coll
@@ -13,7 +13,8 @@ from ddlscope.predict.estimators.base import (
     ClusterCase, Estimator, LocalCase, LocalComm, LocalStep, forward_share, gpt_sizes, state_tensors)
 from ddlscope.predict.partition import bubble_fraction, in_flight
 from ddlscope.predict.schedule_sim import Action, interleaved_orders, simulate, single_stage_orders
-from ddlscope.specs.strategies.pipeline import PipelineSpec
+from ddlscope.predict.specs import ModelSpec
+from ddlscope.specs.strategies.pipeline import PipelineSpec, stage_ranges
 
 
 @ESTIMATORS.register(PipelineSpec)
@@ -58,9 +59,11 @@ class PipelineEstimator(Estimator):
         return []
 
     def local_compute_share(self, spec: PipelineSpec, case: LocalCase) -> float:
-        """A rank computes its stages only: 1/p of the model (on the whole batch, which is what the facts
-        profile for a strategy that does not split the batch)."""
-        return 1.0 / case.world
+        """A rank computes its stages only (on the whole batch, which is what the facts profile for a strategy
+        that does not split the batch): the busiest rank's, which sets the pace; 1/p of the model where the
+        stages are equal or their sizes unknown."""
+        p = spec.pipeline_ranks(case.world)
+        return busiest_rank_share(stage_weights(spec, case), p) * p / case.world
 
     def local_optimizer_bytes(self, spec: PipelineSpec, case: LocalCase) -> float:
         return case.param_bytes / spec.pipeline_ranks(case.world)
@@ -81,10 +84,10 @@ class PipelineEstimator(Estimator):
                  f"beyond the whole batch's"] if m > 1 else []
         if not spec.recompute:
             return replay_s, notes
-        per_stage_forward_s = case.alone_s * forward_share(case.facts) * stretch / (p * v)
-        recomputing = max(sum(1 for s in range(rank, p * v, p) if s in spec.recompute) for rank in range(p))
-        extra_s = recomputing * per_stage_forward_s
-        notes.append(f"pipeline: recompute: {recomputing} stage forward(s) again in the busiest rank's "
+        weights = stage_weights(spec, case)
+        recomputed = max(sum(weights[s] for s in range(rank, p * v, p) if s in spec.recompute) for rank in range(p))
+        extra_s = recomputed * case.alone_s * forward_share(case.facts) * stretch
+        notes.append(f"pipeline: recompute: {recomputed:.0%} of the model's forward again in the busiest rank's "
                      f"backward, {extra_s * 1e3:.2f} ms")
         return replay_s + extra_s, notes
 
@@ -102,7 +105,12 @@ class PipelineEstimator(Estimator):
         split_s, split_notes = split_backward_extra_s(spec, case)
         orders = (single_stage_orders(spec.schedule, p, m) if v == 1
                   else interleaved_orders(spec.schedule, p, m, v))
-        seconds = action_seconds(step.forward_s / (m * v), step.backward_s / (m * v), action_s, split_s)
+        # the step's forward and backward are the busiest rank's: a stage's part of them is its weight over that
+        # rank's, per micro-batch
+        weights = stage_weights(spec, case)
+        busiest_share = busiest_rank_share(weights, p)
+        seconds = action_seconds(step.forward_s / m, step.backward_s / m, action_s, split_s,
+                                 [w / busiest_share for w in weights])
         timeline = simulate(orders, seconds, p * v, transfer_s)
         # the rank's compute as priced outside (local.py): what the runtime and the split backward add is waiting
         compute_s = [timeline.busy_s[r] - len(orders[r]) * action_s
@@ -142,21 +150,23 @@ def split_backward_extra_s(spec: PipelineSpec, case: LocalCase) -> tuple[float, 
                      f"(probe)"]
 
 
-def action_seconds(forward_s: float, backward_s: float, overhead_s: float = 0.0,
-                   split_s: float = 0.0) -> Callable[[Action], float]:
+def action_seconds(forward_s: float, backward_s: float, overhead_s: float = 0.0, split_s: float = 0.0,
+                   stage_parts: Sequence[float] | None = None) -> Callable[[Action], float]:
     """An action's seconds from one stage's forward and backward of one micro-batch, plus the runtime's
     `overhead_s` per action: zero-bubble's input- and weight-gradient halves each half the backward, the input
     pass `split_s` more (its walks of the autograd graph), but on the first stage, whose input needs no
-    gradient, torch runs the whole backward as the W (stage.py backward_weight_one_chunk)."""
+    gradient, torch runs the whole backward as the W (stage.py backward_weight_one_chunk). `stage_parts`: stage
+    s computes that part of `forward_s` and `backward_s` (stages of unequal size; all 1 by default)."""
     def seconds(action: Action) -> float:
         kind, stage, _ = action
+        part = 1.0 if stage_parts is None else stage_parts[stage]
         if kind == "F":
-            return forward_s + overhead_s
+            return forward_s * part + overhead_s
         if kind == "B":
-            return backward_s + overhead_s
+            return backward_s * part + overhead_s
         if stage == 0:
-            return (0.0 if kind == "I" else backward_s) + overhead_s
-        return backward_s / 2 + overhead_s + (split_s if kind == "I" else 0.0)
+            return (0.0 if kind == "I" else backward_s * part) + overhead_s
+        return backward_s * part / 2 + overhead_s + (split_s if kind == "I" else 0.0)
 
     return seconds
 
@@ -170,3 +180,39 @@ def stage_transfer_s(spec: PipelineSpec, case: LocalCase) -> tuple[float, list[s
     payload_bytes = sizes[1] / spec.dp / spec.micro_batches * 4
     transfer_s = message_s(case.profile, "p2p", payload_bytes, 2, case.link)
     return transfer_s, [f"pipeline: a stage's send {payload_bytes / 1e3:.0f} kB, {transfer_s * 1e3:.2f} ms"]
+
+
+def stage_weights(spec: PipelineSpec, case: LocalCase) -> list[float]:
+    """Each stage's part of the model's compute: for a GPT whose config gives its sizes, its layers' share of
+    the forward FLOPs, cut as the runtime cuts the GPT (spec.cuts over the embedding, the blocks and the head):
+    the embedding none, a block its weight GEMMs and attention (24 h^2 + 4 s h a token), the head its logits
+    GEMM (2 h V a token; measured: the last of 2 stages computed 2.0-3.3 ms a step more than the first, 4-7%,
+    in 10 of 11 runs of a GPT x2 m4). Equal parts elsewhere (a model source's stages are cut to balance their
+    FLOPs already)."""
+    stages = spec.pipeline_ranks(case.world) * spec.chunks
+    flops = gpt_layer_flops(case.workload)
+    if flops is None:
+        return [1.0 / stages] * stages
+    per_stage = [sum(flops[a:b]) for a, b in stage_ranges(spec.cuts(len(flops) - 2, stages // spec.chunks),
+                                                         len(flops))]
+    return [f / sum(per_stage) for f in per_stage]
+
+
+def gpt_layer_flops(workload: dict) -> list[float] | None:
+    """Forward FLOPs a token of a GPT's pipeline layers (embedding, blocks, final norm + head), from its config;
+    None for a model source's (`name` with a colon) or a config without the sizes."""
+    if ":" in str(workload.get("name", "")):
+        return None
+    try:
+        hidden, seq, vocab, layers = (int(workload[k]) for k in ("hidden", "seq_len", "vocab_size", "layers"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    model = ModelSpec(hidden=hidden, heads=int(workload.get("heads", 1)), layers=layers, seq=seq, vocab=vocab,
+                      global_batch=1)
+    block = model.dense_flops_per_token + 4 * seq * hidden  # + QK^T and AV
+    return [0.0, *[float(block)] * layers, 2.0 * hidden * vocab]
+
+
+def busiest_rank_share(weights: Sequence[float], ranks: int) -> float:
+    """The largest part of the model one rank holds (rank r: stages r, r + p, ...)."""
+    return max(sum(weights[r::ranks]) for r in range(ranks))
