@@ -215,7 +215,7 @@ def main() -> int:
         return rescore(args.rescore, kernels=not args.no_kernels, calibration=args.calibration)
 
     from ddlscope.analysis.summary import summarize
-    from ddlscope.calibrate import calibrate, facts_key, load_profile, workload_facts, write_profile
+    from ddlscope.calibrate import calibrate, load_profile, workload_facts, write_profile
     from ddlscope.predict.local import compare, measured_from_summary, predict_local
     from ddlscope.runtime.config import load_experiment
     from ddlscope.runtime.launcher import launch
@@ -231,7 +231,6 @@ def main() -> int:
             write_profile(profile, Path(tmp) / "calibration.toml")
         db = Path(tmp) / "bench.db"
         rows = []
-        facts_cache: dict[str, dict] = {}
         configs = selected_configs(args)
         for strategy, world, extra in configs:
             base = {} if "workload.name" in extra else WORKLOAD
@@ -257,16 +256,17 @@ def main() -> int:
             # not the predictor's error.
             runs.sort(key=lambda pair: pair[1]["step_s"])
             run, measured = runs[len(runs) // 2]
-            key = facts_key(run.config)
-            if key not in facts_cache:
-                facts_cache[key] = workload_facts(run.config, time_kernels=not args.no_kernels)
-            predicted = predict_local(run.config, run.environment, facts_cache[key], profile)
+            # The kernels timed right after the config's repeats, for each config (not once per workload): the
+            # machine's speed drifts by a fifth within a minute, and rows that shared one timing shared its miss
+            # (session 20: every pipeline row -14..-29% off one timing of the GPT).
+            facts = workload_facts(run.config, time_kernels=not args.no_kernels)
+            predicted = predict_local(run.config, run.environment, facts, profile)
             group = config_group(strategy, world, extra)
             rows.append({"config": label, "strategy": strategy, "target_set": group == "standard", "group": group,
                          "predicted": predicted, "measured": measured, "error": compare(predicted, measured),
                          "measured_step_s_repeats": [m["step_s"] for _, m in runs],
                          # enough to predict the row again offline (another model, the same runs)
-                         "run_config": run.config, "environment": run.environment, "facts": facts_cache[key]})
+                         "run_config": run.config, "environment": run.environment, "facts": facts})
             spread = (f" (repeats {min(m['step_s'] for _, m in runs) * 1e3:.2f}-"
                       f"{max(m['step_s'] for _, m in runs) * 1e3:.2f})" if len(runs) > 1 else "")
             console.print(f"{label}: step {predicted['step_s'] * 1e3:.2f} ms predicted, "
@@ -295,12 +295,11 @@ def rescore(path: Path, kernels: bool = True, calibration: Path | None = None) -
     rows, facts_cache = [], {}
     for row in saved["rows"]:
         key = facts_key(row["run_config"])
-        if key not in facts_cache:
-            timed = (row.get("facts") or {}).get("kernels")
+        timed = (row.get("facts") or {}).get("kernels")
+        if key not in facts_cache:  # the FLOPs and ops, and kernels timed now for a file that has none
             facts_cache[key] = workload_facts(row["run_config"], time_kernels=kernels and not timed)
-            if kernels and timed:
-                facts_cache[key]["kernels"] = timed
-        predicted = predict_local(row["run_config"], row["environment"], facts_cache[key], saved["calibration"])
+        facts = {**facts_cache[key], **({"kernels": timed} if kernels and timed else {})}  # the row's own timing
+        predicted = predict_local(row["run_config"], row["environment"], facts, saved["calibration"])
         rows.append({**row, "predicted": predicted, "error": compare(predicted, row["measured"])})
     print_results(Console(width=WIDTH), rows)
     return 0
@@ -345,18 +344,27 @@ def per_strategy(rows: list[dict]) -> dict[str, list[float]]:
     return errors
 
 
+# A rank's forward and backward ran 1.01-1.08x its thread CPU time on a quiet machine, 1.5-2x beside the test suite
+DISTURBED_WALL_OVER_CPU = 1.1
+
+
 def print_results(console: Console, rows: list[dict]) -> tuple[float, float]:
-    table = Table("config", "step pred ms", "step meas ms (min..max)", "err", "noise", "states pred B",
-                  "states meas B", "err", title="local predictor vs measured (the median repeat)")
+    table = Table("config", "step pred ms", "step meas ms (min..max)", "err", "noise", "compute wall/CPU",
+                  "states pred B", "states meas B", "err", title="local predictor vs measured (the median repeat)")
     for r in rows:
         p, m, e = r["predicted"], r["measured"], r["error"]
         spread = spread_ms(r)
         noise = {None: "-", True: "within", False: "outside"}[within_noise(r)]
+        ratio = m.get("compute_wall_over_cpu")
         table.add_row(r["config"], f"{p['step_s'] * 1e3:.2f}",
                       f"{m['step_s'] * 1e3:.2f}" + (f" ({spread[0]:.2f}..{spread[1]:.2f})" if spread else ""),
-                      f"{e['step_s_error'] * 100:+.1f}%", noise, str(p["model_state_bytes"]),
-                      str(m["model_state_bytes"]), f"{e['model_state_error'] * 100:+.1f}%")
+                      f"{e['step_s_error'] * 100:+.1f}%", noise, "-" if ratio is None else f"{ratio:.2f}",
+                      str(p["model_state_bytes"]), str(m["model_state_bytes"]), f"{e['model_state_error'] * 100:+.1f}%")
     console.print(table)
+    disturbed = [r["config"] for r in rows if (r["measured"].get("compute_wall_over_cpu") or 0) > DISTURBED_WALL_OVER_CPU]
+    if disturbed:
+        console.print(f"{len(disturbed)} row(s) computed over {DISTURBED_WALL_OVER_CPU}x their CPU time (other work "
+                      f"took turns on the cores, or more ranks than cores): {', '.join(disturbed)}")
     targeted = [r for r in rows if r.get("target_set", True)]
     step_mape = mape(targeted, "step_s_error")
     mem_mape = mape(targeted, "model_state_error")

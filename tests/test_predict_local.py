@@ -337,6 +337,42 @@ def test_workload_facts_time_the_workloads_own_kernels():
     assert 0 <= together["slowest_wait_s"] < kernels["forward_s"] + kernels["backward_s"], together
 
 
+def test_the_side_by_side_stretch_is_taken_round_by_round_so_drift_is_not_contention():
+    """The machine slows from 80 to 120 ms a step between rounds (seen: 82 -> 101 ms in 40 s); side by side
+    costs 10% in every round. The stretch is 1.10, not the drift between an alone block and a side-by-side
+    one; the slower rank's wait comes from the spread about each round's median, not from the drift."""
+    from ddlscope.calibrate.facts import side_by_side_rounds
+
+    def timed(compute_s: float, samples: list[float]) -> dict:
+        return {"data_s": 1e-4, "forward_s": compute_s / 3, "backward_s": 2 * compute_s / 3, "optimizer_s": 1e-3,
+                "steps": len(samples), "threads": 1, "strategy_backward": False, "compute_samples_s": samples}
+
+    speeds_s = (0.080, 0.100, 0.120)
+    rank = [(timed(a, [a] * 3), timed(1.1 * a, [1.1 * a - 1e-3, 1.1 * a, 1.1 * a + 1e-3])) for a in speeds_s]
+    kernels = side_by_side_rounds([rank, rank], processes=2)
+    together = kernels["together"]
+    assert together["stretch"] == pytest.approx(1.1) and together["round_stretches"] == pytest.approx([1.1] * 3)
+    assert kernels["forward_s"] + kernels["backward_s"] == pytest.approx(0.100)  # the middle round's
+    assert kernels["steps"] == 9 and "compute_samples_s" not in kernels
+    # MAD of the side-by-side steps about their round's median: 1 ms, x 1.4826 x E[max of 2 normals] 0.564
+    assert together["slowest_wait_s"] == pytest.approx(1e-3 * 1.4826 * 0.5642, rel=1e-3)
+    lone = side_by_side_rounds([[(timed(0.09, [0.09] * 9),) * 2]], processes=1)
+    assert "together" not in lone and lone["steps"] == 9
+
+
+def test_a_measured_row_says_how_much_of_its_compute_wall_was_its_own_cpu():
+    """Forward + backward wall over the ranks' thread CPU in them, over the ranks that computed (a server's
+    rank has no compute): what tells a row disturbed by other work on the cores from a miss."""
+    from ddlscope.predict.local import measured_from_summary
+
+    by_rank = {"0": {"forward_s": 0.010, "backward_s": 0.020, "compute_cpu_s": 0.025},
+               "1": {"forward_s": 0.012, "backward_s": 0.018, "compute_cpu_s": 0.015},
+               "2": {"forward_s": 0.0, "backward_s": 0.0, "compute_cpu_s": 0.0}}  # a parameter server
+    measured = measured_from_summary({"mean_step_s": 0.05, "breakdown_mean_s_by_rank": by_rank})
+    assert measured["compute_wall_over_cpu"] == pytest.approx(0.060 / 0.040)
+    assert measured_from_summary({"mean_step_s": 0.05})["compute_wall_over_cpu"] is None  # an older summary
+
+
 def test_kernels_that_cannot_be_timed_leave_the_flop_model_and_a_note(monkeypatch):
     """Ranks that do not start (or die) while timing the kernels: predict-run prices compute from FLOPs
     and says why, rather than failing with a launcher's traceback."""

@@ -12,6 +12,12 @@ from typing import Any, Callable
 # Steps timed by the kernel benchmark (after the warm-up ones): enough for a stable median of a step
 # that takes milliseconds, few enough that predict-run stays a second or two per run.
 KERNEL_WARMUP_STEPS, KERNEL_TIMED_STEPS = 3, 9
+# In launched ranks the steps are timed alone and side by side in turn, this many rounds of each (a third of
+# the timed steps a round, one warm-up step after the first round's): this machine's speed drifts by a fifth
+# within a minute (the same step 82 -> 101 ms in 40 s), and one block alone then one side by side, ~10 s
+# apart, read that drift as contention (side by side came out 0.69x and 2.06x alone; the ranks' thread CPU
+# said 0.93-1.08). Each round's ratio is the drift of seconds, not of a minute.
+KERNEL_ROUNDS = 3
 
 
 def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = False) -> dict[str, Any]:
@@ -78,7 +84,7 @@ def facts_key(experiment_config: dict[str, Any]) -> str:
 
 def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
                  backward: Callable[[Any, Any, Any, Any], None] | None = None, device: str = "cpu",
-                 timed_steps: int = KERNEL_TIMED_STEPS) -> dict[str, Any]:
+                 timed_steps: int = KERNEL_TIMED_STEPS, warmup_steps: int = KERNEL_WARMUP_STEPS) -> dict[str, Any]:
     """Median time of one rank's batch read, forward (with the loss), backward and optimizer step (with
     zero_grad; the workload's optimizer over the whole model), alone in this process with the rank's
     intra-op threads: the workload's own kernels benchmarked on this machine. `backward`: the
@@ -108,7 +114,7 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
         return time.perf_counter()
 
     try:
-        for i in range(KERNEL_WARMUP_STEPS + timed_steps):
+        for i in range(warmup_steps + timed_steps):
             t0 = now()
             x, y = task.train.get(ids % len(task.train))
             x, y = x.to(device), y.to(device)
@@ -123,7 +129,7 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             t4 = now()
-            if i >= KERNEL_WARMUP_STEPS:
+            if i >= warmup_steps:
                 read_s.append(t1 - t0)
                 forward_s.append(t2 - t1)
                 backward_s.append(t3 - t2)
@@ -155,10 +161,7 @@ def contention_processes(experiment_config: dict[str, Any]) -> int:
 def rank_kernel_times(experiment_config: dict[str, Any]) -> dict[str, Any]:
     """The step's own kernels (`kernel_times`) timed where a training rank runs them: in launched ranks,
     `contention_processes` of them. Each times the step alone (the others parked in a barrier), then
-    all together. The alone medians are averaged over ranks; side by side (`together`), every rank's
-    timed steps are pooled: `stretch` is their median over the alone one, and `slowest_wait_s` how
-    long the mean rank waits for the slowest of `processes` (a synchronous step waits for its slowest
-    rank), from their spread as if normal.
+    all together, KERNEL_ROUNDS times over (`side_by_side_rounds`).
 
     In a rank, not in the calling process: the same ResNet step took 27 ms in a fresh process and in
     the ranks, and 22 ms in a process that had launched a run before (its allocator then served the
@@ -171,18 +174,42 @@ def rank_kernel_times(experiment_config: dict[str, Any]) -> dict[str, Any]:
     threads = int(experiment_config["cluster"].get("threads_per_rank", 1))
     results = list(launch_processes(kernel_rank, (json.dumps(experiment_config),), processes,
                                     run_id=f"ddlscope-kernels-{os.getpid()}", threads_per_rank=threads).values())
-    alone = [times for times, _ in results]
-    kernels: dict[str, Any] = {**alone[0], **{key: statistics.fmean(times[key] for times in alone)
-                                             for key in ("data_s", "forward_s", "backward_s", "optimizer_s")}}
+    return side_by_side_rounds(results, processes)
+
+
+KERNEL_PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s")
+
+
+def side_by_side_rounds(results: list[list[tuple[dict[str, Any], dict[str, Any]]]], processes: int
+                        ) -> dict[str, Any]:
+    """The kernels from every rank's rounds (`results[rank][round]`: its times alone, then side by side).
+    Alone: each phase's median over the rounds of its mean over the ranks. Side by side (`together`, where
+    `processes` > 1): `stretch` is the median over the rounds of the round's pooled side-by-side median over
+    its alone compute, both timed seconds apart; `slowest_wait_s` how long the mean rank waits for the
+    slowest of `processes` (a synchronous step waits for its slowest rank), from the side-by-side steps'
+    spread about their round's median, as if normal."""
+    rounds = range(len(results[0]))
+
+    def alone_mean_s(key: str, r: int) -> float:
+        return statistics.fmean(rank_rounds[r][0][key] for rank_rounds in results)
+
+    first = results[0][0][0]
+    kernels: dict[str, Any] = {**first, **{key: statistics.median(alone_mean_s(key, r) for r in rounds)
+                                           for key in KERNEL_PHASES},
+                               "steps": sum(results[0][r][0]["steps"] for r in rounds)}
     del kernels["compute_samples_s"]
     if processes > 1:
-        pooled = [s for _, together in results for s in together["compute_samples_s"]]
-        median_s = statistics.median(pooled)
+        ratios, deviations_s = [], []
+        for r in rounds:
+            pooled = [s for rank_rounds in results for s in rank_rounds[r][1]["compute_samples_s"]]
+            median_s = statistics.median(pooled)
+            ratios.append(median_s / (alone_mean_s("forward_s", r) + alone_mean_s("backward_s", r)))
+            deviations_s += [abs(s - median_s) for s in pooled]
         # robust to a hiccup: a 100 ms stall in one of 18 timed steps is noise of this machine, not the
         # workload's spread (as a mean or an empirical maximum would take it)
-        spread_s = NORMAL_MAD_TO_SIGMA * statistics.median(abs(s - median_s) for s in pooled)
-        kernels["together"] = {"processes": processes,
-                               "stretch": median_s / (kernels["forward_s"] + kernels["backward_s"]),
+        spread_s = NORMAL_MAD_TO_SIGMA * statistics.median(deviations_s)
+        kernels["together"] = {"processes": processes, "stretch": statistics.median(ratios),
+                               "round_stretches": ratios,
                                "slowest_wait_s": spread_s * expected_max_of_normals(processes)}
     return kernels
 
@@ -199,8 +226,9 @@ def expected_max_of_normals(draws: int) -> float:
                for x in (i * width for i in range(-800, 801)))
 
 
-def kernel_rank(config_json: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One rank of `rank_kernel_times`: its kernel times alone, then side by side with the others."""
+def kernel_rank(config_json: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """One rank of `rank_kernel_times`: its kernel times alone, then side by side with the others, in
+    KERNEL_ROUNDS rounds (one, alone, in a lone rank)."""
     import torch.distributed as dist
 
     from ddlscope.calibrate.probes import each_rank_alone
@@ -212,14 +240,22 @@ def kernel_rank(config_json: str) -> tuple[dict[str, Any], dict[str, Any]]:
     task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
     backward = runtime_class(exp.strategy).kernel_backward(exp.strategy)
 
-    def times() -> dict[str, Any]:
-        return kernel_times(task, exp.workload, exp.per_rank_batch(), exp.cluster.threads_per_rank, backward)
+    def times(steps: int, warmup: int) -> dict[str, Any]:
+        return kernel_times(task, exp.workload, exp.per_rank_batch(), exp.cluster.threads_per_rank, backward,
+                            timed_steps=steps, warmup_steps=warmup)
 
     dist.init_process_group("gloo")
     try:
-        alone = each_rank_alone(times)
-        together = times() if dist.get_world_size() > 1 else alone
+        if dist.get_world_size() == 1:
+            alone = times(KERNEL_TIMED_STEPS, KERNEL_WARMUP_STEPS)
+            rounds = [(alone, alone)]
+        else:
+            steps, rounds = KERNEL_TIMED_STEPS // KERNEL_ROUNDS, []
+            for r in range(KERNEL_ROUNDS):
+                warmup = KERNEL_WARMUP_STEPS if r == 0 else 1  # the process's allocator is warm after round 0
+                alone = each_rank_alone(lambda: times(steps, warmup))  # noqa: B023 (called at once)
+                rounds.append((alone, times(steps, 1)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return alone, together
+    return rounds

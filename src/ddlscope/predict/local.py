@@ -249,7 +249,18 @@ def measured_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
         "breakdown_s": {p: summary.get("breakdown_mean_s", {}).get(p) for p in PHASES},
         "memory_bytes": states,
         "model_state_bytes": sum(states.values()),
+        "compute_wall_over_cpu": compute_wall_over_cpu(summary),
     }
+
+
+def compute_wall_over_cpu(summary: dict[str, Any]) -> float | None:
+    """The ranks' forward and backward wall time over their threads' CPU time in them: 1.0-1.08 when a
+    rank had its core to itself, more where other work took turns on the cores (the test suite beside a
+    run: 1.5-2x). What tells a measured row disturbed by this machine from the predictor's miss."""
+    ranks = [b for b in summary.get("breakdown_mean_s_by_rank", {}).values() if (b.get("compute_cpu_s") or 0) > 0]
+    if not ranks:
+        return None
+    return sum(b["forward_s"] + b["backward_s"] for b in ranks) / sum(b["compute_cpu_s"] for b in ranks)
 
 
 def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
