@@ -104,6 +104,27 @@ def test_tp_prices_the_traced_all_reduces_and_dtensor_dispatch():
     assert probed["step_s"] - halved["step_s"] == pytest.approx(4 * 4 * (all_reduce_s - half_s))
 
 
+def test_tp_reads_dtensors_per_op_cost_at_the_runs_block_size():
+    """The probe's two block sizes: the per-op cost at the run's batch x seq x hidden, linear in the logarithm
+    of the elements between them (and beyond: 4x the large block's elements, one log-step of 2 up), never under
+    the small block's; a calibration from before the two sizes keeps its one figure."""
+    from ddlscope.calibrate.profile import CalibrationProfile
+    from ddlscope.predict.estimators.tp import dispatch_op_at_s
+
+    two = {**TP_PROBE["ws2"], "dispatch_op_s": 1e-4, "dispatch_op_s_by_size": [1e-4, 3e-4],
+           "activation_elements": [512.0, 32768.0]}
+    probe = CalibrationProfile.coerce({**PROFILE, "tp": {"ws2": two}}).tp["ws2"]
+    assert dispatch_op_at_s(probe, 4096.0) == pytest.approx(2e-4)  # halfway in log: sqrt(512 x 32768)
+    assert dispatch_op_at_s(probe, 32768.0 * 8) == pytest.approx(3e-4 + 2e-4 / 2)  # log 8 is half of log 64
+    assert dispatch_op_at_s(probe, 100.0) == pytest.approx(1e-4)
+    older = CalibrationProfile.coerce({**PROFILE, "tp": TP_PROBE}).tp["ws2"]
+    assert dispatch_op_at_s(older, 1e6) == pytest.approx(2e-5)
+    # the run's block: 16 x 64 x 128 elements, 4 blocks of 64 ops
+    at_run = _tp({**PROFILE, "tp": {"ws2": two}}, **GPT_SIZES)["step_s"] - _tp({**PROFILE, "tp": TP_PROBE},
+                                                                                 **GPT_SIZES)["step_s"]
+    assert at_run == pytest.approx(4 * 64 * (dispatch_op_at_s(probe, 16 * 64 * 128) - 2e-5))
+
+
 def _pipeline(schedule: str = "gpipe", profile: dict = PROFILE, sizes: bool = True, **knobs) -> dict:
     config = _config("pipeline", 2, schedule=schedule, micro_batches=4, **knobs)
     if sizes:

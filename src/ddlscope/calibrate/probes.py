@@ -639,51 +639,63 @@ def _incast_rounds(size: int, block: Any, rounds: int) -> tuple[float, float]:
 # The traced block: widths and a batch small enough that the trace and the timing take milliseconds;
 # the op and all-reduce counts of the Megatron plan do not depend on them.
 TP_PROBE_HIDDEN, TP_PROBE_HEADS, TP_PROBE_SEQ, TP_PROBE_BATCH = 16, 2, 8, 2
+# DTensor's per-op cost grows with the tensors it handles: at 2 ranks, 72-77 us an op on the block above
+# (16 tokens) and 262 us on a GPT block of 1024 tokens x hidden 128 (half the plain block subtracted, as the
+# estimator prices a rank's compute). The per-op cost is timed on the small block and on a block of
+# TP_PROBE_LARGE (batch, seq, hidden per rank), and the estimator reads it at the run's activation elements.
+TP_PROBE_LARGE = (16, 64, 64)
 
 
 def _tp_probe(repeats: int) -> dict[str, Any]:
     """DTensor's cost per dispatched op and one tp-sharded GPT block's op and all-reduce counts, traced
     (see the module docstring). The per-op cost is the block's own: its forward + backward sharded, less
-    the same block unsharded and its all-reduces timed alone, over the traced op count, the slowest rank's.
-    (An elementwise op on a shard costs ~21 us more than on its tensor here, but the block's ops, with
-    their redistributions and autograd wrappers, cost 130-210 us each: a tiny block's step is 15.6 ms
-    sharded over 2 ranks against 0.9 ms unsharded, at load ~7.)"""
+    its share (1/tp) of the same block unsharded and its all-reduces timed alone, over the traced op count,
+    the slowest rank's; timed at two block sizes (`activation_elements`: batch x seq x hidden of each), since
+    the cost grows with the tensors. (An elementwise op on a shard costs ~21 us more than on its tensor here,
+    but the block's ops, with their redistributions and autograd wrappers, cost 130-210 us each: a tiny
+    block's step is 15.6 ms sharded over 2 ranks against 0.9 ms unsharded, at load ~7.)"""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    sharded, plain, x = tp_probe_blocks(mesh, world)
-    counts = trace_tp_block(sharded, x)
-    activation = torch.zeros(x.numel())
     samples = max(10, 4 * repeats)
-    sharded_s = _median_time(lambda: sharded(x).sum().backward(), samples)
-    plain_s = _median_time(lambda: plain(x).sum().backward(), samples)
-    all_reduce_s = _median_time(lambda: dist.all_reduce(activation), samples)
-    ops = max(counts["block_dispatch_ops"], 1)
-    per_op_s = max(sharded_s - plain_s - counts["block_all_reduces"] * all_reduce_s, 0.0) / ops
-    slowest = torch.tensor([per_op_s], dtype=torch.float64)
+    per_op_s, elements = [], []
+    counts: dict[str, Any] = {}
+    for large in (False, True):
+        sharded, plain, x = tp_probe_blocks(mesh, world, large)
+        counts = trace_tp_block(sharded, x)
+        activation = torch.zeros(x.numel())
+        sharded_s = _median_time(lambda: sharded(x).sum().backward(), samples)  # noqa: B023 (called at once)
+        plain_s = _median_time(lambda: plain(x).sum().backward(), samples)  # noqa: B023
+        all_reduce_s = _median_time(lambda: dist.all_reduce(activation), samples)  # noqa: B023
+        ops = max(counts["block_dispatch_ops"], 1)
+        per_op_s.append(max(sharded_s - plain_s / world - counts["block_all_reduces"] * all_reduce_s, 0.0) / ops)
+        elements.append(float(x.numel()))
+    slowest = torch.tensor(per_op_s, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"dispatch_op_s": float(slowest), **counts}
+    return {"dispatch_op_s": float(slowest[0]), "dispatch_op_s_by_size": [float(v) for v in slowest],
+            "activation_elements": elements, **counts}
 
 
-def tp_probe_blocks(mesh: Any, ranks: int) -> tuple[Any, Any, Any]:
-    """(a GPT block split over `mesh` as strategies/tp.py splits it, the same block whole, an input), each
-    block stepped once (warm: sharding propagation's caches filled, as in a training step)."""
+def tp_probe_blocks(mesh: Any, ranks: int, large: bool = False) -> tuple[Any, Any, Any]:
+    """(a GPT block split over `mesh` as strategies/tp.py splits it, the same block whole, an input: the
+    probe's small block or its `large` one), each block stepped once (warm: sharding propagation's caches
+    filled, as in a training step)."""
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
 
     from ddlscope.strategies.tp import PLAN
     from ddlscope.workloads.gpt import Block, GPTConfig
 
-    cfg = GPTConfig(vocab_size=64, seq_len=TP_PROBE_SEQ, layers=1, hidden=TP_PROBE_HIDDEN * ranks,
-                    heads=TP_PROBE_HEADS * ranks)
+    batch, seq, hidden = TP_PROBE_LARGE if large else (TP_PROBE_BATCH, TP_PROBE_SEQ, TP_PROBE_HIDDEN)
+    cfg = GPTConfig(vocab_size=64, seq_len=seq, layers=1, hidden=hidden * ranks, heads=TP_PROBE_HEADS * ranks)
     torch.manual_seed(0)
     sharded, plain = Block(cfg), Block(cfg)
     sharded.attn.heads //= ranks
     parallelize_module(sharded, mesh, PLAN)
-    x = torch.randn(TP_PROBE_BATCH, TP_PROBE_SEQ, cfg.hidden, requires_grad=True)
+    x = torch.randn(batch, seq, cfg.hidden, requires_grad=True)
     for block in (sharded, plain):
         block(x).sum().backward()
     return sharded, plain, x

@@ -146,6 +146,10 @@ class TpProbe(_Table):
     calibrations before it (the predictor then prices the Megatron layout's all-reduces only, and says so)."""
 
     dispatch_op_s: Number | None = None  # an op on a DTensor shard minus the same op on its local tensor
+    # the same at the probe's two block sizes, and their activations' elements (batch x seq x hidden): the cost
+    # grows with the tensors (absent before: dispatch_op_s at every size)
+    dispatch_op_s_by_size: Numbers | None = None
+    activation_elements: Numbers | None = None
     block_dispatch_ops: int | None = None  # aten ops with a DTensor argument in one sharded block's fwd + bwd
     block_all_reduces: int | None = None  # all-reduces in that trace (Megatron: 2 forward, 2 backward)
     all_reduce_activation_ratio: Number | None = None  # elements per all-reduce / (batch x seq x hidden)
