@@ -73,6 +73,21 @@ def test_benchmark_judges_a_row_against_its_repeats_spread():
         "ddp": [0.045], "tp": [0.30, 0.1]}
 
 
+def test_benchmark_row_is_the_repeat_with_the_median_error_each_against_its_own_timing():
+    """Each repeat is predicted from the kernels timed after it; the row is the repeat whose error is the
+    median, not the one whose measured step is (the machine was slow for the 13 ms run and its timing)."""
+    bench = _benchmark()
+
+    def repeat(measured_s: float, predicted_s: float) -> dict:
+        return {"measured": {"step_s": measured_s}, "predicted": {"step_s": predicted_s},
+                "error": {"step_s_error": predicted_s / measured_s - 1}}
+
+    repeats = [repeat(0.010, 0.0080), repeat(0.013, 0.0130), repeat(0.011, 0.0121)]
+    # errors -20%, 0%, +10%: the median error is the 13 ms run's, not the median run's (11 ms, +10%)
+    assert bench.median_repeat(repeats) is repeats[1]
+    assert bench.median_repeat([repeats[0], repeats[2]]) is repeats[2]  # an even count: the upper one
+
+
 TP_PROBE = {"ws2": {"dispatch_op_s": 2e-5, "block_dispatch_ops": 64, "block_all_reduces": 4,
                     "all_reduce_activation_ratio": 1.0}}
 GPT_SIZES = {"layers": 4, "hidden": 128, "seq_len": 64, "batch_size": 16}
