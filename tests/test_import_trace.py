@@ -15,6 +15,7 @@ import os
 import random
 import re
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,13 @@ def profiled_job(out_dir: str) -> int:
                 optimizer.zero_grad()
                 prof.step()
     finally:
+        # gloo's worker threads drop the last steps' work objects, whose thread-local state holds a Python
+        # object (the profiler's), taking the GIL; freeing DDP's reducer at return frees the process group,
+        # whose destructor waits for those threads with the GIL held. That deadlocked a rank once in CI
+        # (gdb: ~ProcessGroupGloo on the main thread, ~AsyncWork waiting for the GIL on pt_gloo_runloop;
+        # runtime/worker.py _finish_together is the launcher's side of the same race). A sleep releases the
+        # GIL while the threads finish.
+        time.sleep(0.2)
         dist.destroy_process_group()
     return rank
 
