@@ -55,17 +55,15 @@ def run_cli_here(*args: str, cwd: Path, columns: int = 200, timeout_s: float | N
 
 
 @pytest.fixture
-def cli_here(tmp_path: Path):
-    """run_cli_here from the test's own folder."""
-    def call(*args: str, timeout_s: float = 240) -> CliResult:  # noqa: ARG001 (the test's own timeout applies)
-        return run_cli_here(*args, cwd=tmp_path)
+def cli(request: pytest.FixtureRequest, tmp_path: Path):
+    """`ddlscope ARGS` from the test's own folder, in a fresh process; in this one (run_cli_here) for a module
+    marked `cli_in_this_process`, whose runs need no process of their own (none is signalled, none checks
+    what a rank prints on the terminal)."""
+    in_this_process = request.node.get_closest_marker("cli_in_this_process") is not None
 
-    return call
-
-
-@pytest.fixture
-def cli(tmp_path: Path):
     def call(*args: str, timeout_s: float = 240) -> CliResult:
+        if in_this_process:
+            return run_cli_here(*args, cwd=tmp_path)  # the test's own timeout applies
         return run_cli(*args, cwd=tmp_path, timeout_s=timeout_s)
 
     return call

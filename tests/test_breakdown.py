@@ -5,13 +5,8 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli_in_this_process]
 
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 GPT = ["--workload", "gpt-char", "--strategy", "ddp", "--world-size", "2", "--steps", "8", "--batch-size", "8",
        "--set", "workload.layers=2", "--set", "workload.hidden=128", "--set", "workload.seq_len=32",

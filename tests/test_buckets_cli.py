@@ -6,13 +6,7 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli_in_this_process]
 
 
 @pytest.mark.timeout(240)

@@ -11,11 +11,7 @@ from ddlscope.runtime.config import load_experiment
 from ddlscope.runtime.emulation import resolve_link
 from ddlscope.strategies.comm import CommRecorder, LinkModel
 
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
+pytestmark = pytest.mark.cli_in_this_process  # its runs need no process of their own (conftest.cli)
 
 
 def test_link_model_uses_ring_wire_bytes():

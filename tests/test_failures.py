@@ -5,13 +5,7 @@ import sqlite3
 
 import pytest
 
-pytestmark = pytest.mark.multiprocess
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli_in_this_process]
 
 
 def test_crashed_rank_fails_the_run_and_keeps_its_rows(cli, tmp_path):

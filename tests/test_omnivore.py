@@ -20,7 +20,7 @@ import torch
 
 from phase_checks import assert_step_phases
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli_in_this_process]
 
 STEPS, WORKERS = 5, 4
 COMMON = {"workload.name": "mlp-digits", "workload.steps": STEPS, "workload.batch_size": 32, "workload.lr": 0.2,
@@ -34,12 +34,6 @@ CONFIGS: dict[str, tuple[dict[str, Any], bool]] = {  # label: (overrides, sequen
     # trained for its step rows' phase check alone (tests/phase_checks.py): no other test trains it
     "ps-stale-aware": ({"strategy.name": "ps-stale-aware"}, False),
 }
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 
 def train_all(out_dir: str) -> dict[str, Any]:

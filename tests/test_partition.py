@@ -12,11 +12,7 @@ import pytest
 
 from ddlscope.predict.partition import Layer, partition, plan_of_cuts, stage_cost
 
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
+pytestmark = pytest.mark.cli_in_this_process  # its runs need no process of their own (conftest.cli)
 
 
 def _brute_force(layers: list[Layer], stages: int, m: int, limit: float, schedule: str) -> float:

@@ -23,6 +23,8 @@ from ddlscope.workloads.sequential import (
 from ddlscope.workloads.sources import example_input, model_of
 from rank_runs import records, spawn_runs, train_rank
 
+pytestmark = pytest.mark.cli_in_this_process  # its runs need no process of their own (conftest.cli)
+
 WORLD = 2
 IMAGE = {"workload.image_size": 32, "workload.samples": 64, "workload.test_samples": 16}
 TEXT = {"workload.layers": 2, "workload.hidden": 64, "workload.heads": 4, "workload.seq_len": 16,
@@ -30,12 +32,6 @@ TEXT = {"workload.layers": 2, "workload.hidden": 64, "workload.heads": 4, "workl
 SMALL = {"torchvision:resnet18": IMAGE, "torchvision:shufflenet_v2_x0_5": IMAGE, "timm:test_resnet": IMAGE,
          "hf:llama": TEXT, "hf:gpt2": TEXT, "hf:mistral": TEXT, "hf:qwen2": TEXT, "hf:qwen3": TEXT}
 REFUSED = {"hf:bert": TEXT}  # not a chain to cut, but a model to build
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 
 def _exp(name: str, **extra):

@@ -8,15 +8,9 @@ import torch
 
 from phase_checks import assert_store_phases
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli_in_this_process]
 
 STEPS = 6
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 
 def _train(cli, tmp_path, strategy: str, out: str, *extra: str) -> dict:

@@ -28,7 +28,7 @@ import pytest
 
 from conftest import SRC
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.cli_in_this_process]
 
 SLOW_LINK = ["--set", 'cluster.network.profile="custom"', "--set", "cluster.network.alpha_us=15000",
              "--set", "cluster.network.bandwidth_gbps=100"]
@@ -38,13 +38,6 @@ STRATEGIES = {"ddp": ["--strategy", "ddp", "--world-size", "2"],
 # Killed and restarted: FSDP's sharded checkpoint and the parameter server's. DDP's rank-0 checkpoint is
 # restored bit for bit by the interrupted-and-resumed tests below (their reference is ddp's).
 KILLED = ["fsdp", "ps-sync"]
-
-
-@pytest.fixture
-def cli(cli_here):
-    """The runs that are not signalled need no process of their own: the CLI in this process
-    (conftest.run_cli_here). The signalled ones are started by `start`, in processes of their own."""
-    return cli_here
 
 
 def start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:

@@ -17,11 +17,8 @@ import pytest
 
 from ddlscope.runtime.sinks import SinkError, choose_sinks, open_sinks, parse_sinks, run_label
 
+pytestmark = pytest.mark.cli_in_this_process  # its runs need no process of their own (conftest.cli)
 
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 # What a run's rank 0 writes, in the order it writes it: the flops event (before training under
 # `run`), the step rows, an eval row, the memory record at the end.

@@ -13,13 +13,9 @@ from ddlscope.specs import ConfigError
 from ddlscope.studies.base import CellResult
 from ddlscope.studies.sweep import load_sweep
 
+pytestmark = pytest.mark.cli_in_this_process  # its runs need no process of their own (conftest.cli)
+
 TINY_WORKLOAD = 'workload = { name = "mlp-digits", steps = 3, batch_size = 32 }'
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 
 def _sweep(tmp_path, text: str, name: str = "sweep.toml"):

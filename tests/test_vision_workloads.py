@@ -15,13 +15,9 @@ from ddlscope.workloads import WORKLOADS, Task
 from ddlscope.workloads.base import cross_entropy
 from ddlscope.workloads.vision import ResnetCifarSpec, VggCifarSpec, _generate_synthetic_cifar, synthetic_cifar
 
+pytestmark = pytest.mark.cli_in_this_process  # its runs need no process of their own (conftest.cli)
+
 SMALL = {"samples": 4000, "test_samples": 1000}
-
-
-@pytest.fixture
-def cli(cli_here):
-    """These runs need no process of their own: the CLI in this process (conftest.run_cli_here)."""
-    return cli_here
 
 
 def build(name: str, seed: int = 0, **knobs: object) -> Task:
