@@ -241,3 +241,24 @@ def test_convolutions_are_priced_at_the_calibrated_convolution_rate_of_their_cha
     assert gemm_time_s(between, with_conv.compute) == pytest.approx(0.08 + 0.05 + 2e9 / 4.5e10)
     older = CalibrationProfile.coerce({"collectives": {}, "compute": compute})
     assert gemm_time_s(facts, older.compute) == pytest.approx(11e9 / 1e11)
+
+
+def test_probe_blocks_are_timed_in_turn_so_a_drift_lands_on_both(monkeypatch):
+    """Two blocks whose true costs are 2:1, on a machine slowing down call by call: timed in turn, the
+    medians keep the 2:1 (and the difference, the [tp] probe's per-op cost, its true size); timed one block
+    after the other, the drift would add to the second block's time."""
+    from ddlscope.calibrate import probes
+
+    clock = {"now_s": 0.0, "calls": 0}
+
+    def costing(cost_s: float):
+        def run() -> None:
+            clock["calls"] += 1
+            clock["now_s"] += cost_s * (1 + 0.01 * clock["calls"])  # 1% slower each call
+        return run
+
+    monkeypatch.setattr(probes.time, "perf_counter", lambda: clock["now_s"])
+    big_s, small_s = probes._alternating_median_times([costing(2.0), costing(1.0)], 21)
+    assert big_s / small_s == pytest.approx(2.0, rel=0.02)
+    # the median of each is the 11th pair's: calls 23 and 24, after the two warm-ups (1.23x and 1.24x)
+    assert big_s == pytest.approx(2.0 * 1.23) and small_s == pytest.approx(1.0 * 1.24)

@@ -95,6 +95,23 @@ def _median_time(fn: Any, repeats: int, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
+def _alternating_median_times(fns: list[Any], repeats: int) -> list[float]:
+    """The median time of each of `fns`, stepped in turn (one of each, `repeats` times over, after one
+    warm-up each), not one block after another: this machine's speed drifts by a fifth within a minute,
+    and a difference of two blocks timed seconds apart reads the drift as the difference (the [tp] probe's
+    per-op cost, a small difference of two large times, read 252 and 382 us at one size in two
+    calibrations an hour apart)."""
+    for fn in fns:
+        fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return [statistics.median(times) for times in samples]
+
+
 # Copies from 64 KiB to 64 MiB: what a memory-bound op moves per second depends on where its data
 # sits (on this 2-core VM ~50-70 GB/s within the 4 MiB L2, ~25-40 GB/s at a few MiB, ~13 GB/s at
 # 128 MiB moved). Recorded; predict/local.py uses the largest copy's rate (see there why).
@@ -667,9 +684,9 @@ def _tp_probe(repeats: int) -> dict[str, Any]:
         sharded, plain, x = tp_probe_blocks(mesh, world, large)
         counts = trace_tp_block(sharded, x)
         activation = torch.zeros(x.numel())
-        sharded_s = _median_time(lambda: sharded(x).sum().backward(), samples)  # noqa: B023 (called at once)
-        plain_s = _median_time(lambda: plain(x).sum().backward(), samples)  # noqa: B023
-        all_reduce_s = _median_time(lambda: dist.all_reduce(activation), samples)  # noqa: B023
+        sharded_s, plain_s, all_reduce_s = _alternating_median_times(
+            [lambda: sharded(x).sum().backward(), lambda: plain(x).sum().backward(),  # noqa: B023 (called at once)
+             lambda: dist.all_reduce(activation)], samples)  # noqa: B023
         ops = max(counts["block_dispatch_ops"], 1)
         per_op_s.append(max(sharded_s - plain_s / world - counts["block_all_reduces"] * all_reduce_s, 0.0) / ops)
         elements.append(float(x.numel()))
