@@ -103,7 +103,7 @@ def test_cocod_waits_for_what_the_steps_before_its_landing_did_not_hide():
     all_reduce_s, copies_s = local_model_all_reduce_s(case, LocalStep(predicted["compute_stretch"], 0, 0, 0))
     assert all_reduce_s > 8 * step_compute_s  # the link is slow enough that even 8 steps leave a wait
     waits_s = max(all_reduce_s - 8 * step_compute_s, 0) + max(all_reduce_s - 3 * step_compute_s, 0)
-    expected = waits_s / 11 + (copies_s + local_sync_wait_s(case)) / 11  # one launch (after step 8) measured
+    expected = waits_s / 11 + (6 * copies_s + local_sync_wait_s(case)) / 11  # one launch (after step 8) measured
     assert b["comm_wait_s"] == pytest.approx(expected)
 
 

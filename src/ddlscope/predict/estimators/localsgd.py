@@ -25,6 +25,12 @@ all). And while it is in flight, gloo's thread moves the real bytes on the
 ranks' own cores when they have no spare one: the rank's compute stretches
 by the all-reduce's calibrated time (the row's forward and backward ran
 ~0.3-0.5 ms a step above localsgd's on the same model in the same runs).
+Its synchronize phases pass over the model more than torch's averager does:
+launching an average flattens the model into the snapshot, clones it into the
+buffer in flight and divides that; landing flattens the model again, takes
+the progress since the snapshot and adds it to the average (`cocod_passes`):
+4 passes each, a 12-step run of period 8 making 12 in its 11 measured steps
+(one launch, two landings) where two were priced.
 """
 
 from __future__ import annotations
@@ -85,6 +91,16 @@ def local_model_all_reduce_s(case: LocalCase, step: LocalStep, fraction: float =
     return all_reduce_s, copies_s
 
 
+def model_pass_s(case: LocalCase, stretch: float) -> float:
+    """One pass over the model's bytes (a copy, a flatten, an elementwise op making a model-sized tensor) at
+    the calibrated memory bandwidth, stretched as the rank's compute is."""
+    return case.param_bytes / case.memory_bandwidth_bytes_per_s * stretch
+
+
+# torch's PeriodicModelAverager flattens the parameters into one buffer and copies the average back
+AVERAGER_PASSES = 2
+
+
 def local_sync_wait_s(case: LocalCase) -> float:
     """The calibrated wait of ranks meeting at a synchronisation (gloo's threads waking)."""
     return sync_at(machine_probe(case.profile, "sync", case.world), case.alone_s)[1]
@@ -116,7 +132,7 @@ class ModelAveragingEstimator(Estimator):
         return case.replicated_state_bytes + case.activation_bytes + extra_copies_bytes(case, self.copies), None
 
     def local_comm(self, spec: ModelAveragingSpec, case: LocalCase, step: LocalStep) -> LocalComm:
-        all_reduce_s, copies_s = local_model_all_reduce_s(case, step, self.average_fraction(spec))
+        all_reduce_s, _ = local_model_all_reduce_s(case, step, self.average_fraction(spec))
         rate = measured_averages_per_step(spec, case)
         if self.overlaps(spec):
             # a step's compute hides the average in flight (as the run's own, without comm)
@@ -124,12 +140,17 @@ class ModelAveragingEstimator(Estimator):
                                                      step.forward_s + step.backward_s + step.zero_grad_s)
         else:
             exposed_per_step_s = all_reduce_s * rate
-        comm = LocalComm(exposed_per_step_s + (copies_s + local_sync_wait_s(case)) * rate, holds_sync_wait=True)
+        passes_s = self.model_passes_per_step(spec, case) * model_pass_s(case, step.stretch)
+        comm = LocalComm(exposed_per_step_s + passes_s + local_sync_wait_s(case) * rate, holds_sync_wait=True)
         comm.notes.append(f"{spec.name}: one model all-reduce {all_reduce_s * 1e3:.2f} ms"
                           + (f" ({exposed_per_step_s * 1e3:.2f} ms a step not hidden by the steps until it lands)"
                              if self.overlaps(spec) else "")
                           + (f", every {1 / rate:g} steps" if rate else ", none within the run's measured steps"))
         return comm
+
+    def model_passes_per_step(self, spec: ModelAveragingSpec, case: LocalCase) -> float:
+        """Passes over the model's bytes a measured step makes around its averages (synchronize phase)."""
+        return AVERAGER_PASSES * measured_averages_per_step(spec, case)
 
     def local_compute_extra_s(self, spec: ModelAveragingSpec, case: LocalCase) -> tuple[float, list[str]]:
         """An average in flight (CoCoD) moves its bytes on gloo's thread while the ranks compute: on a
@@ -158,6 +179,29 @@ def in_flight_averages(spec: ModelAveragingSpec, steps: int) -> list[tuple[int, 
     the next average is launched, or at the last step (the runtime lets nothing stay in flight past it)."""
     launches = [s for s in range(steps) if spec.averages_after(s) == "all"]
     return [(s, launches[i + 1] if i + 1 < len(launches) else steps - 1) for i, s in enumerate(launches)]
+
+
+def cocod_passes() -> tuple[int, int]:
+    """Passes over the model's bytes of (launching, landing) one CoCoD average (strategies/localsgd.py CoCoD):
+    launching flattens the model into the snapshot, clones it into the buffer in flight and divides that
+    in place (2 + 1 + 1); landing flattens the model (2), takes the progress since the snapshot (1), adds
+    it to the average (1) and loads the sum (views, no pass)."""
+    # imported here: federated's estimator imports this module
+    from ddlscope.predict.estimators.federated import FLAT_PASSES, LOAD_PASSES
+
+    return FLAT_PASSES + 2, FLAT_PASSES + 2 + LOAD_PASSES
+
+
+def landings_per_step(spec: ModelAveragingSpec, case: LocalCase, overlap: bool) -> float:
+    """CoCoD averages landing (merged into the model) within the measured steps, per step: in the step
+    it was launched without overlap, else at the next launch or the run's last step (`in_flight_averages`);
+    one per period where the run's length is not known."""
+    steady = case.steady_steps()
+    if steady is None or case.steps is None:
+        return spec.averages_per_step()
+    if not overlap:
+        return measured_averages_per_step(spec, case)
+    return sum(1 for _, lands in in_flight_averages(spec, case.steps) if lands in steady) / len(steady)
 
 
 def exposed_in_flight_s(spec: ModelAveragingSpec, case: LocalCase, all_reduce_s: float, step_compute_s: float) -> float:
@@ -226,3 +270,8 @@ class CoCoDEstimator(ModelAveragingEstimator):
 
     def overlaps(self, spec: CoCoDSpec) -> bool:
         return spec.overlap
+
+    def model_passes_per_step(self, spec: CoCoDSpec, case: LocalCase) -> float:  # type: ignore[override]
+        launch, land = cocod_passes()
+        return (launch * measured_averages_per_step(spec, case)
+                + land * landings_per_step(spec, case, self.overlaps(spec)))
