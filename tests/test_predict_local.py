@@ -319,7 +319,7 @@ def test_ranks_beyond_the_cores_wait_their_turn_under_every_strategy():
 
 def test_workload_facts_time_the_workloads_own_kernels():
     from ddlscope.calibrate import workload_facts
-    from ddlscope.calibrate.facts import KERNEL_TIMED_STEPS
+    from ddlscope.calibrate.facts import KERNEL_MAX_ROUND_STEPS, KERNEL_ROUNDS
 
     config = {"workload": {"name": "mlp-digits", "hidden": 256, "layers": 2, "batch_size": 128},
               "strategy": {"name": "ddp"}, "cluster": {"world_size": 2}}
@@ -327,14 +327,25 @@ def test_workload_facts_time_the_workloads_own_kernels():
     timed = workload_facts(config, time_kernels=True)
     assert "kernels" not in plain and {k: v for k, v in timed.items() if k != "kernels"} == plain
     kernels = timed["kernels"]
-    assert kernels["steps"] == KERNEL_TIMED_STEPS and kernels["threads"] == 1
     assert all(0 < kernels[k] < 1 for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
+    # a step of a few ms: each round's blocks take the most steps (0.2 s would need more)
+    assert sum(kernels[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s")) < 5e-3, kernels
+    assert kernels["steps"] == KERNEL_ROUNDS * KERNEL_MAX_ROUND_STEPS and kernels["threads"] == 1
     # timed in two launched ranks, side by side too: a stretch near 1 (2 ranks on 2 or more cores; a
     # hiccup moves a median little) and a wait for the slower rank below a step's compute
     together = kernels["together"]
     print(kernels)  # shown when it fails: the numbers behind a miss on a noisy machine
     assert together["processes"] == 2 and 0.5 < together["stretch"] < 3, together
     assert 0 <= together["slowest_wait_s"] < kernels["forward_s"] + kernels["backward_s"], together
+
+
+def test_a_rounds_blocks_last_the_same_time_whatever_the_steps_length():
+    """Enough steps that a block lasts KERNEL_ROUND_S (0.2 s): 40 steps of 5 ms, 10 of 20 ms; never fewer
+    than the fixed count's share (3 of a 100 ms step), never more than the cap."""
+    from ddlscope.calibrate.facts import steps_for
+
+    assert [steps_for(s) for s in (5e-3, 20e-3, 0.1, 1e-4, 0.0)] == [40, 10, 3, 40, 40]
+    assert steps_for(0.03) == 7  # rounded up: 6.7 steps would time 0.2 s
 
 
 def test_the_side_by_side_stretch_is_taken_round_by_round_so_drift_is_not_contention():

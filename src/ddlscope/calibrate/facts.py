@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import statistics
 import time
@@ -18,6 +19,11 @@ KERNEL_WARMUP_STEPS, KERNEL_TIMED_STEPS = 3, 9
 # apart, read that drift as contention (side by side came out 0.69x and 2.06x alone; the ranks' thread CPU
 # said 0.93-1.08). Each round's ratio is the drift of seconds, not of a minute.
 KERNEL_ROUNDS = 3
+# Each round times at least this long a block, alone and side by side: three steps of a 5 ms step were a
+# median of 15 ms, and the same configuration's kernels alone, timed after each of three runs a minute
+# apart, read 5.3-7.1 ms (nodepar) and 11.6-14.9 ms (partitioned), the side-by-side stretch 0.96-1.61
+# (mm-psgd) where the runs computed at 1.03-1.05x their CPU time. At most KERNEL_MAX_ROUND_STEPS steps.
+KERNEL_ROUND_S, KERNEL_MAX_ROUND_STEPS = 0.2, 40
 
 
 def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = False) -> dict[str, Any]:
@@ -180,6 +186,25 @@ def rank_kernel_times(experiment_config: dict[str, Any]) -> dict[str, Any]:
 KERNEL_PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s")
 
 
+def round_steps(warm: dict[str, Any]) -> int:
+    """Steps a round's blocks time, the same on every rank: enough that a block lasts KERNEL_ROUND_S at the
+    slowest rank's step (`warm`: its kernel times after the warm-up), at least the fixed count's share."""
+    import torch
+    import torch.distributed as dist
+
+    step_s = torch.tensor([sum(float(warm[key]) for key in KERNEL_PHASES)], dtype=torch.float64)
+    dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    return steps_for(float(step_s))
+
+
+def steps_for(step_s: float) -> int:
+    """A round's steps at `step_s` a step (KERNEL_ROUND_S a block, within the fixed share and the cap)."""
+    fewest = KERNEL_TIMED_STEPS // KERNEL_ROUNDS
+    if step_s <= 0:
+        return KERNEL_MAX_ROUND_STEPS
+    return max(fewest, min(KERNEL_MAX_ROUND_STEPS, math.ceil(KERNEL_ROUND_S / step_s)))
+
+
 def side_by_side_rounds(results: list[list[tuple[dict[str, Any], dict[str, Any]]]], processes: int
                         ) -> dict[str, Any]:
     """The kernels from every rank's rounds (`results[rank][round]`: its times alone, then side by side).
@@ -247,13 +272,13 @@ def kernel_rank(config_json: str) -> list[tuple[dict[str, Any], dict[str, Any]]]
     dist.init_process_group("gloo")
     try:
         if dist.get_world_size() == 1:
-            alone = times(KERNEL_TIMED_STEPS, KERNEL_WARMUP_STEPS)
+            alone = times(KERNEL_ROUNDS * round_steps(times(1, KERNEL_WARMUP_STEPS)), 1)
             rounds = [(alone, alone)]
         else:
-            steps, rounds = KERNEL_TIMED_STEPS // KERNEL_ROUNDS, []
-            for r in range(KERNEL_ROUNDS):
-                warmup = KERNEL_WARMUP_STEPS if r == 0 else 1  # the process's allocator is warm after round 0
-                alone = each_rank_alone(lambda: times(steps, warmup))  # noqa: B023 (called at once)
+            steps, rounds = round_steps(times(1, KERNEL_WARMUP_STEPS)), []
+            for _ in range(KERNEL_ROUNDS):
+                # one warm-up step a block: the process's allocator is warm after the first
+                alone = each_rank_alone(lambda: times(steps, 1))  # noqa: B023 (called at once)
                 rounds.append((alone, times(steps, 1)))
         dist.barrier()
     finally:
