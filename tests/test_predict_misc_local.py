@@ -148,8 +148,9 @@ def _federated(strategy: str) -> dict:
 
 
 def test_the_clients_wait_for_the_slowest_over_the_whole_round():
-    """The kernels' side-by-side spread per minibatch adds up over a round's minibatches as independent
-    draws: the mean client waits sqrt(4 x models) times one minibatch's wait."""
+    """The kernels' side-by-side spread per minibatch adds up over a round's minibatches: a slower rank
+    stays slower for the round (rank 0 computed 98-103 ms a round against rank 1's 82-85, four rounds in
+    a row), so the mean client waits 4 x models times one minibatch's wait, not sqrt of that."""
     together = {"processes": 2, "stretch": 1.0, "slowest_wait_s": 1e-3}
     kernels = {"forward_s": 0.002, "backward_s": 0.004, "optimizer_s": 0.001, "data_s": 0.0005, "steps": 9,
                "together": together}
@@ -159,4 +160,4 @@ def test_the_clients_wait_for_the_slowest_over_the_whole_round():
         spread = predict_local(_federated(strategy), {}, {**FACTS, "kernels": kernels}, PROFILE)
         none = predict_local(_federated(strategy), {}, {**FACTS, "kernels": quiet}, PROFILE)
         extra_s = spread["breakdown_s"]["comm_wait_s"] - none["breakdown_s"]["comm_wait_s"]
-        assert extra_s == pytest.approx(minibatches ** 0.5 * 1e-3)
+        assert extra_s == pytest.approx(minibatches * 1e-3)
