@@ -262,3 +262,8 @@ def test_probe_blocks_are_timed_in_turn_so_a_drift_lands_on_both(monkeypatch):
     assert big_s / small_s == pytest.approx(2.0, rel=0.02)
     # the median of each is the 11th pair's: calls 23 and 24, after the two warm-ups (1.23x and 1.24x)
     assert big_s == pytest.approx(2.0 * 1.23) and small_s == pytest.approx(1.0 * 1.24)
+    # what runs before each (a barrier: a rank waiting for another) is not timed
+    clock["calls"] = 0
+    waited = probes._alternating_median_times([costing(2.0), costing(1.0)], 21,
+                                              before=lambda: clock.update(now_s=clock["now_s"] + 100.0))
+    assert waited == pytest.approx([2.0 * 1.23, 1.0 * 1.24])

@@ -95,17 +95,20 @@ def _median_time(fn: Any, repeats: int, inner: int = 1) -> float:
     return statistics.median(samples)
 
 
-def _alternating_median_times(fns: list[Any], repeats: int) -> list[float]:
+def _alternating_median_times(fns: list[Any], repeats: int, before: Any = None) -> list[float]:
     """The median time of each of `fns`, stepped in turn (one of each, `repeats` times over, after one
     warm-up each), not one block after another: this machine's speed drifts by a fifth within a minute,
     and a difference of two blocks timed seconds apart reads the drift as the difference (the [tp] probe's
     per-op cost, a small difference of two large times, read 252 and 382 us at one size in two
-    calibrations an hour apart)."""
+    calibrations an hour apart). `before`, untimed, before each: e.g. a barrier, so that a collective is
+    not timed waiting for a rank still in the block before it."""
     for fn in fns:
         fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, times in zip(fns, samples):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
@@ -686,7 +689,7 @@ def _tp_probe(repeats: int) -> dict[str, Any]:
         activation = torch.zeros(x.numel())
         sharded_s, plain_s, all_reduce_s = _alternating_median_times(
             [lambda: sharded(x).sum().backward(), lambda: plain(x).sum().backward(),  # noqa: B023 (called at once)
-             lambda: dist.all_reduce(activation)], samples)  # noqa: B023
+             lambda: dist.all_reduce(activation)], samples, before=dist.barrier)  # noqa: B023
         ops = max(counts["block_dispatch_ops"], 1)
         per_op_s.append(max(sharded_s - plain_s / world - counts["block_all_reduces"] * all_reduce_s, 0.0) / ops)
         elements.append(float(x.numel()))
