@@ -14,11 +14,14 @@ worst one.
 
 Run-to-run noise is part of the result: every configuration runs --repeats
 times (3 by default), and each repeat is predicted from its workload's
-kernels timed right after it (this machine's speed drifts by a fifth within
+kernels timed right before it (this machine's speed drifts by a fifth within
 a minute: a timing minutes away reads the drift as the predictor's error).
 A row is the repeat with the median error; it prints the repeats' min..max
 step times and errors, and is "within noise" when its prediction lies inside
-the measured min..max. Per strategy: the median |error| of its rows.
+the measured min..max. Per strategy: the median |error| of its rows. Each
+configuration runs enough steps (beyond --steps) that its timed steps last
+about --min-run-s (2 s): this machine's speed varies over seconds, and a
+tenth of a second of steps drew one sample of it (see run_steps).
 
     .venv/bin/python benchmarks/predict_local.py [--calibration FILE] [--steps N] [--repeats R] [--json OUT]
         [--quick]                      # one repeat, a quick calibration: a smoke run, not a judgement
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -51,6 +55,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+# Each configuration runs enough steps to last about MIN_RUN_S (see run_steps), at most MAX_RUN_STEPS.
+MIN_RUN_S, MAX_RUN_STEPS = 2.0, 400
 WORKLOAD = {"workload.name": "mlp-digits", "workload.hidden": 512, "workload.layers": 3,
             "workload.batch_size": 256}
 # The tables are wide (a row per configuration with its spread): printed at this width, a terminal or not.
@@ -178,7 +184,10 @@ def main() -> int:
                         help="predict with this profile instead of calibrating first (with --rescore: instead "
                              "of the saved one)")
     parser.add_argument("--quick-calibration", action="store_true", help="calibrate with 3 repeats, not 5")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="the fewest steps a configuration runs (default 12)")
+    parser.add_argument("--min-run-s", type=float, default=MIN_RUN_S,
+                        help="run each configuration enough steps (beyond --steps) that its timed steps last about "
+                             f"this long at its predicted step (default {MIN_RUN_S}; 0: --steps for all)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="run each configuration this many times: compared with the median run, judged "
                              "against the repeats' spread (default 3)")
@@ -219,7 +228,7 @@ def main() -> int:
     from ddlscope.analysis.summary import summarize
     from ddlscope.calibrate import calibrate, load_profile, workload_facts, write_profile
     from ddlscope.predict.local import measured_from_summary
-    from ddlscope.runtime.config import load_experiment
+    from ddlscope.runtime.config import experiment_to_dict, load_experiment
     from ddlscope.runtime.launcher import launch
     from ddlscope.store import Store
 
@@ -241,7 +250,15 @@ def main() -> int:
             exp = load_experiment(None, overrides)
             label = config_label(strategy, world, extra)
             repeats = []
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
+                # Each repeat is predicted from the kernels timed right before it: this machine's speed drifts
+                # by a fifth within a minute (the GPT's forward and backward alone timed 99 ms in one --all run
+                # and 135 ms in the next, where the runs they predicted stepped 91 and 101 ms), and a timing
+                # minutes from its run read that drift as the predictor's error. Session 20: every pipeline
+                # row -14..-29% off one timing of the GPT for all five.
+                facts = workload_facts(experiment_to_dict(exp), time_kernels=not args.no_kernels)
+                if repeat == 0 and args.min_run_s > 0:
+                    exp = load_experiment(None, {**overrides, "workload.steps": run_steps(exp, facts, profile, args)})
                 result = launch(exp, db)
                 if result.status != "finished":  # e.g. another launch on this machine took the same free port
                     console.print(f"{label}: {result.status} ({result.error}); retrying once")
@@ -252,12 +269,6 @@ def main() -> int:
                 with Store(db) as store:
                     run = store.get_run(result.run_id)
                     measured = measured_from_summary(summarize(store, run).to_dict())
-                # Each repeat is predicted from the kernels timed right after it: this machine's speed drifts
-                # by a fifth within a minute (the GPT's forward and backward alone timed 99 ms in one --all run
-                # and 135 ms in the next, where the runs they predicted stepped 91 and 101 ms), and a timing
-                # minutes from its run read that drift as the predictor's error. Session 20: every pipeline
-                # row -14..-29% off one timing of the GPT for all five.
-                facts = workload_facts(run.config, time_kernels=not args.no_kernels)
                 repeats.append(predicted_repeat(run.config, run.environment, facts, measured, profile))
             if not repeats:
                 continue
@@ -270,7 +281,7 @@ def main() -> int:
                          "repeats": repeats})
             steps_ms = sorted(r["measured"]["step_s"] * 1e3 for r in repeats)
             errors = sorted(r["error"]["step_s_error"] * 100 for r in repeats)
-            console.print(f"{label}: step {row['predicted']['step_s'] * 1e3:.2f} ms predicted, "
+            console.print(f"{label} ({exp.workload.steps} steps): step {row['predicted']['step_s'] * 1e3:.2f} ms predicted, "
                           f"{row['measured']['step_s'] * 1e3:.2f} ms measured, {errors[len(errors) // 2]:+.1f}%"
                           + (f" (repeats {steps_ms[0]:.2f}-{steps_ms[-1]:.2f} ms, each against its own kernel "
                              f"timing {errors[0]:+.1f}..{errors[-1]:+.1f}%)" if len(repeats) > 1 else ""))
@@ -280,7 +291,8 @@ def main() -> int:
                   f"repeat(s) each; load average at the end {load_average()}")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "step_mape_pct": step_mape, "memory_mape_pct": mem_mape,
-                                         "repeats": args.repeats, "load_average": load_average(),
+                                         "repeats": args.repeats, "min_run_s": args.min_run_s,
+                                         "load_average": load_average(),
                                          "calibration": profile}, default=str))
     return 0 if rows else 1
 
@@ -312,6 +324,22 @@ def rescore(path: Path, kernels: bool = True, calibration: Path | None = None) -
         rows.append({**row, **median_repeat(again), "repeats": again})
     print_results(Console(width=WIDTH), rows)
     return 0
+
+
+def run_steps(exp, facts: dict, profile: dict, args: argparse.Namespace) -> int:
+    """Steps enough that a run's timed steps last about --min-run-s at its predicted step (from `facts`, its
+    first repeat's), at least --steps, at most MAX_RUN_STEPS. This machine's speed varies on a scale of
+    seconds: one process stepping the digits' MLP for 2 minutes, its mean step over windows of 0.1 / 0.5 /
+    1 / 2 / 5 s spread 24 / 17 / 14 / 12 / 10% (10th to 90th percentile), and consecutive seconds
+    correlated 0.41, seconds 5 apart 0.08. Twelve steps of a 15 ms step drew one tenth of a second of
+    that: three repeats a minute apart stepped 11.8, 16.1 and 15.0 ms."""
+    from ddlscope.predict.local import predict_local
+    from ddlscope.runtime.config import experiment_to_dict
+    from ddlscope.runtime.launcher import run_environment
+
+    step_s = predict_local(experiment_to_dict(exp), run_environment(exp), facts, profile)["step_s"]
+    # + 1: step 0 (the warm-up) is not in the measured mean
+    return max(args.steps, min(MAX_RUN_STEPS, math.ceil(args.min_run_s / step_s) + 1))
 
 
 def predicted_repeat(run_config: dict, environment: dict, facts: dict, measured: dict, profile: dict) -> dict:

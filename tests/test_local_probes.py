@@ -74,7 +74,7 @@ def test_benchmark_judges_a_row_against_its_repeats_spread():
 
 
 def test_benchmark_row_is_the_repeat_with_the_median_error_each_against_its_own_timing():
-    """Each repeat is predicted from the kernels timed after it; the row is the repeat whose error is the
+    """Each repeat is predicted from the kernels timed before it; the row is the repeat whose error is the
     median, not the one whose measured step is (the machine was slow for the 13 ms run and its timing)."""
     bench = _benchmark()
 
@@ -86,6 +86,27 @@ def test_benchmark_row_is_the_repeat_with_the_median_error_each_against_its_own_
     # errors -20%, 0%, +10%: the median error is the 13 ms run's, not the median run's (11 ms, +10%)
     assert bench.median_repeat(repeats) is repeats[1]
     assert bench.median_repeat([repeats[0], repeats[2]]) is repeats[2]  # an even count: the upper one
+
+
+def test_benchmark_runs_each_configuration_long_enough_to_average_the_machines_noise(monkeypatch):
+    """Steps enough that the timed steps last --min-run-s at the predicted step, plus step 0 (the warm-up,
+    not in the mean): 2 s of a 15 ms step is 134 steps; never fewer than --steps, never more than the cap."""
+    from argparse import Namespace
+
+    import ddlscope.predict.local as local
+    from ddlscope.runtime.config import load_experiment
+
+    bench = _benchmark()
+    exp = load_experiment(None, {"strategy.name": "ddp", "cluster.world_size": 2, "workload.steps": 12})
+    predicted_s = {"step": 0.015}
+    monkeypatch.setattr(local, "predict_local", lambda config, environment, facts, profile: {
+        "step_s": predicted_s["step"]})
+    args = Namespace(steps=12, min_run_s=2.0)
+    assert bench.run_steps(exp, {}, {}, args) == 135
+    predicted_s["step"] = 0.5  # 4 steps would last 2 s: --steps stands
+    assert bench.run_steps(exp, {}, {}, args) == 12
+    predicted_s["step"] = 1e-5
+    assert bench.run_steps(exp, {}, {}, args) == bench.MAX_RUN_STEPS
 
 
 TP_PROBE = {"ws2": {"dispatch_op_s": 2e-5, "block_dispatch_ops": 64, "block_all_reduces": 4,

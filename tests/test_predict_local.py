@@ -340,12 +340,12 @@ def test_workload_facts_time_the_workloads_own_kernels():
 
 
 def test_a_rounds_blocks_last_the_same_time_whatever_the_steps_length():
-    """Enough steps that a block lasts KERNEL_ROUND_S (0.2 s): 40 steps of 5 ms, 10 of 20 ms; never fewer
-    than the fixed count's share (3 of a 100 ms step), never more than the cap."""
+    """Enough steps that a block lasts KERNEL_ROUND_S (0.5 s): 100 steps of 5 ms, 25 of 20 ms; never fewer
+    than the fixed count's share (3 of a 200 ms step), never more than the cap (100 of a 0.1 ms step)."""
     from ddlscope.calibrate.facts import steps_for
 
-    assert [steps_for(s) for s in (5e-3, 20e-3, 0.1, 1e-4, 0.0)] == [40, 10, 3, 40, 40]
-    assert steps_for(0.03) == 7  # rounded up: 6.7 steps would time 0.2 s
+    assert [steps_for(s) for s in (5e-3, 20e-3, 0.2, 1e-4, 0.0)] == [100, 25, 3, 100, 100]
+    assert steps_for(0.03) == 17  # rounded up: 16.7 steps would time 0.5 s
 
 
 def test_the_side_by_side_stretch_is_taken_round_by_round_so_drift_is_not_contention():

@@ -23,7 +23,11 @@ KERNEL_ROUNDS = 3
 # median of 15 ms, and the same configuration's kernels alone, timed after each of three runs a minute
 # apart, read 5.3-7.1 ms (nodepar) and 11.6-14.9 ms (partitioned), the side-by-side stretch 0.96-1.61
 # (mm-psgd) where the runs computed at 1.03-1.05x their CPU time. At most KERNEL_MAX_ROUND_STEPS steps.
-KERNEL_ROUND_S, KERNEL_MAX_ROUND_STEPS = 0.2, 40
+# Half a second, not 0.2: one process stepping the digits' MLP for 2 minutes on a quiet machine, its mean
+# step over windows of 0.1 / 0.5 / 1 / 2 / 5 s spread 24 / 17 / 14 / 12 / 10% (10th to 90th percentile),
+# and a second's mean correlated 0.41 with the next second's, 0.08 with one 5 s away: the noise is of
+# seconds, and a block of 0.2 s drew one sample of it.
+KERNEL_ROUND_S, KERNEL_MAX_ROUND_STEPS = 0.5, 100
 
 
 def workload_facts(experiment_config: dict[str, Any], *, time_kernels: bool = False) -> dict[str, Any]:

@@ -98,6 +98,13 @@ def environment() -> dict[str, Any]:
     }
 
 
+def run_environment(exp: Experiment) -> dict[str, Any]:
+    """What a run of `exp` records as its environment: this machine, the resolved network, its ranks."""
+    _, network_record = resolve_link(exp.cluster.network, exp.cluster.threads_per_rank)
+    return {**environment(), "network": network_record, "ranks": exp.cluster.world_size,
+            "extra_ranks": exp.strategy.extra_ranks()}
+
+
 def launch(exp: Experiment, store_path: Path,
            on_progress: Callable[[dict[str, Any]], None] | None = None, resume: Run | None = None,
            sinks: SinkChoice | None = None) -> LaunchResult:
@@ -146,13 +153,10 @@ def _open_run(exp: Experiment, store: Store, store_path: Path, resume: Run | Non
     if exp.checkpoint_dir and complete_steps(Path(exp.checkpoint_dir)):
         raise ConfigError(f"checkpoint_dir {exp.checkpoint_dir} already holds checkpoints: continue that run with "
                           "`ddlscope run --resume RUN`, or name an empty folder")
-    cluster = exp.cluster
-    link, network_record = resolve_link(cluster.network, cluster.threads_per_rank)
-    env_record = {**environment(), "network": network_record, "ranks": cluster.world_size,
-                  "extra_ranks": exp.strategy.extra_ranks()}
+    env_record = run_environment(exp)
     run_id = store.create_run(
         uuid=run_uuid, name=exp.name, workload=exp.workload.name, strategy=exp.strategy.name,
-        world_size=cluster.world_size, config=experiment_to_dict(exp), code_version=code_version(),
+        world_size=exp.cluster.world_size, config=experiment_to_dict(exp), code_version=code_version(),
         seed=exp.seed, environment=env_record)
     locks.append(hold_run_lock(run_dir))
     return run_id, run_dir, run_key(store.checkpoint_secret(), run_uuid)
