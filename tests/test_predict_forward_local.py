@@ -49,3 +49,50 @@ def test_a_run_of_unknown_length_launches_and_lands_once_a_period():
     config = _cocod_config(None)
     spec, case = strategy_of(config), local_case(config, {}, FACTS, SLOW_MEMORY)
     assert estimator_for(spec).model_passes_per_step(spec, case) == pytest.approx((4 + 4) / 8)
+
+
+PAUSE_EXTRA = {"0.002": 1e-4, "0.016": 5e-4}  # forward + backward beyond the plain steps', after each pause
+KERNELS = {"data_s": 1e-4, "forward_s": 2e-3, "backward_s": 4e-3, "optimizer_s": 5e-4, "steps": 30, "threads": 1}
+
+
+def _after_wait(config: dict, pause_extra: dict | None) -> tuple[dict, dict]:
+    """The prediction with the kernels' pause extras, and without them (the same run otherwise)."""
+    kernels = {**KERNELS, **({"pause_extra_s": pause_extra} if pause_extra is not None else {})}
+    plain = predict_local(config, {}, {**FACTS, "kernels": KERNELS}, PROBED)
+    return predict_local(config, {}, {**FACTS, "kernels": kernels}, PROBED), plain
+
+
+def test_a_rank_computes_slower_after_each_wait_at_the_waits_length():
+    """DDP waits once a step: its forward grows by the kernels' extra after a pause, linear between the
+    timed pauses (0 after no wait) at the step's predicted wait, held beyond the longest, times the stretch."""
+    from ddlscope.predict.local import pause_extra_s
+
+    facts = {"kernels": {**KERNELS, "pause_extra_s": PAUSE_EXTRA}}
+    assert pause_extra_s(facts, 0.001) == pytest.approx(0.5e-4)
+    assert pause_extra_s(facts, 0.009) == pytest.approx(1e-4 + 4e-4 / 2)
+    assert pause_extra_s(facts, 0.5) == pytest.approx(5e-4)
+    assert pause_extra_s({"kernels": {**KERNELS, "pause_extra_s": {"0.002": -1e-4, "0.016": 5e-4}}},
+                         0.002) == 0.0
+    config = {"workload": {"name": "mlp-digits", "optimizer": "sgd"}, "strategy": {"name": "ddp"},
+              "cluster": {"world_size": 2}}
+    paused, plain = _after_wait(config, PAUSE_EXTRA)
+    wait_s = paused["breakdown_s"]["comm_wait_s"]
+    assert wait_s == plain["breakdown_s"]["comm_wait_s"] and wait_s > 0
+    extra_s = pause_extra_s(facts, wait_s) * paused["compute_stretch"]
+    assert extra_s > 0
+    assert paused["breakdown_s"]["forward_s"] - plain["breakdown_s"]["forward_s"] == pytest.approx(extra_s)
+    assert paused["step_s"] - plain["step_s"] == pytest.approx(extra_s)
+    alone, _ = _after_wait({**config, "cluster": {"world_size": 1}, "strategy": {"name": "single"}}, PAUSE_EXTRA)
+    assert not any("after each of its waits" in note for note in alone["notes"])  # a lone rank never waits
+
+
+def test_local_sgd_pays_it_only_at_its_averages():
+    """localsgd (period 8) waits at one step in 8: an eighth of the extra at the wait of one average."""
+    from ddlscope.predict.local import pause_extra_s
+
+    config = {"workload": {"name": "mlp-digits", "optimizer": "sgd"}, "strategy": {"name": "localsgd", "period": 8},
+              "cluster": {"world_size": 2}}
+    paused, plain = _after_wait(config, PAUSE_EXTRA)
+    per_average_s = paused["breakdown_s"]["comm_wait_s"] * 8
+    extra_s = pause_extra_s({"kernels": {"pause_extra_s": PAUSE_EXTRA}}, per_average_s) / 8 * paused["compute_stretch"]
+    assert paused["step_s"] - plain["step_s"] == pytest.approx(extra_s)

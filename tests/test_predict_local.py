@@ -319,7 +319,7 @@ def test_ranks_beyond_the_cores_wait_their_turn_under_every_strategy():
 
 def test_workload_facts_time_the_workloads_own_kernels():
     from ddlscope.calibrate import workload_facts
-    from ddlscope.calibrate.facts import KERNEL_MAX_ROUND_STEPS, KERNEL_ROUNDS
+    from ddlscope.calibrate.facts import KERNEL_MAX_ROUND_STEPS, KERNEL_PAUSE_EVERY, KERNEL_PAUSES_S, KERNEL_ROUNDS
 
     config = {"workload": {"name": "mlp-digits", "hidden": 256, "layers": 2, "batch_size": 128},
               "strategy": {"name": "ddp"}, "cluster": {"world_size": 2}}
@@ -330,7 +330,12 @@ def test_workload_facts_time_the_workloads_own_kernels():
     assert all(0 < kernels[k] < 1 for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
     # a step of a few ms: each round's blocks take the most steps (0.2 s would need more)
     assert sum(kernels[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s")) < 5e-3, kernels
-    assert kernels["steps"] == KERNEL_ROUNDS * KERNEL_MAX_ROUND_STEPS and kernels["threads"] == 1
+    # alone, every KERNEL_PAUSE_EVERY-th step follows a pause and is timed apart
+    unpaused = KERNEL_MAX_ROUND_STEPS - KERNEL_MAX_ROUND_STEPS // KERNEL_PAUSE_EVERY
+    assert kernels["steps"] == KERNEL_ROUNDS * unpaused and kernels["threads"] == 1
+    compute_s = kernels["forward_s"] + kernels["backward_s"]
+    assert set(kernels["pause_extra_s"]) == {str(p) for p in KERNEL_PAUSES_S}
+    assert all(-compute_s < extra < compute_s for extra in kernels["pause_extra_s"].values()), kernels
     # timed in two launched ranks, side by side too: a stretch near 1 (2 ranks on 2 or more cores; a
     # hiccup moves a median little) and a wait for the slower rank below a step's compute
     together = kernels["together"]
@@ -505,3 +510,55 @@ def test_a_partitioned_rank_steps_its_share_of_the_tensors_and_bytes_once():
     assert per_stretch[1] == pytest.approx(per_stretch[0] / 2, rel=1e-9)
     passes_s = (3 + 0) * FACTS["param_bytes"] / PROFILE["compute"]["memory_bandwidth_bytes_per_s"]  # SGD: no state
     assert per_stretch[0] == pytest.approx(len(FACTS["param_numel"]) * 3e-6 + passes_s, rel=1e-9)
+
+
+def test_kernels_time_some_steps_after_a_pause_apart_from_the_others(monkeypatch):
+    """Every KERNEL_PAUSE_EVERY-th step follows a sleep, the pauses in turn, and its forward + backward
+    is not in the phases' means: on a clock where a step after a pause computes 1 ms longer, the means
+    are the plain steps' and pause_extra_s is 1 ms at each pause."""
+    import ddlscope.calibrate.facts as facts
+    from ddlscope.calibrate.facts import pause_before
+
+    assert [pause_before(i, (0.002, 0.016)) for i in range(9)] == [0, 0, 0, 0.002, 0, 0, 0, 0.016, 0]
+    assert pause_before(3, ()) == 0
+    clock = {"t": 0.0, "slept": False}
+
+    class Model:
+        def to(self, device):
+            return self
+
+        def train(self):
+            return self
+
+        def __call__(self, x):  # forward: 2 ms, 3 ms after a pause
+            clock["t"] += 3e-3 if clock["slept"] else 2e-3
+            clock["slept"] = False
+            return x
+
+    class Loss:
+        def backward(self):
+            clock["t"] += 4e-3
+
+    class Split:
+        def get(self, ids):
+            return ids, ids
+
+        def __len__(self):
+            return 10
+
+    class Task:
+        model, train = Model(), Split()
+        loss_fn = staticmethod(lambda out, y: Loss())
+
+    def sleep(seconds):
+        clock["t"] += seconds
+        clock["slept"] = True
+
+    monkeypatch.setattr(facts.copy, "deepcopy", lambda model: model)
+    monkeypatch.setattr(facts.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(facts.time, "sleep", sleep)
+    monkeypatch.setattr("ddlscope.runtime.loop.make_optimizer", lambda model, workload: type(
+        "Opt", (), {"step": lambda self: None, "zero_grad": lambda self, set_to_none: None})())
+    timed = facts.kernel_times(Task(), None, 4, 1, timed_steps=16, warmup_steps=1, pauses_s=(0.002, 0.016))
+    assert timed["steps"] == 12 and timed["forward_s"] == pytest.approx(2e-3) and timed["backward_s"] == pytest.approx(4e-3)
+    assert timed["pause_extra_s"] == {"0.002": pytest.approx(1e-3), "0.016": pytest.approx(1e-3)}

@@ -92,14 +92,36 @@ def facts_key(experiment_config: dict[str, Any]) -> str:
                        experiment_config["strategy"] if own_backward else None], sort_keys=True)
 
 
+# A rank that waited (for a collective, a server, a neighbour) computes its next forward slower than one
+# that went straight on: the digits' MLP, one process, steps taken in turn with and without a sleep before
+# them, forward + backward +0.03 / +0.1 / +0.3 / +0.5 ms after 0.2 / 1 / 4 / 16 ms away (+1 / +4 / +13 /
+# +21% of the forward; a 4 ms busy loop in Python cost as much as a 4 ms sleep, so it is not the wake-up
+# but what the machine did to the caches meanwhile). Kernels timed back to back do not pay it; a
+# synchronous run pays it every step. Every KERNEL_PAUSE_EVERY-th timed step, in turn, follows a sleep of
+# one of KERNEL_PAUSES_S, and `pause_extra_s` is what those steps' forward + backward cost beyond the
+# others' (predict/local.py interpolates it at the wait a step of the run has before its forward).
+KERNEL_PAUSES_S, KERNEL_PAUSE_EVERY = (0.002, 0.016), 4
+
+
+def pause_before(step: int, pauses_s: tuple[float, ...]) -> float:
+    """The sleep before timed step `step` (0 for most): every KERNEL_PAUSE_EVERY-th, `pauses_s` in turn."""
+    if not pauses_s or step % KERNEL_PAUSE_EVERY != KERNEL_PAUSE_EVERY - 1:
+        return 0.0
+    return pauses_s[(step // KERNEL_PAUSE_EVERY) % len(pauses_s)]
+
+
 def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
                  backward: Callable[[Any, Any, Any, Any], None] | None = None, device: str = "cpu",
-                 timed_steps: int = KERNEL_TIMED_STEPS, warmup_steps: int = KERNEL_WARMUP_STEPS) -> dict[str, Any]:
-    """Median time of one rank's batch read, forward (with the loss), backward and optimizer step (with
+                 timed_steps: int = KERNEL_TIMED_STEPS, warmup_steps: int = KERNEL_WARMUP_STEPS,
+                 pauses_s: tuple[float, ...] = ()) -> dict[str, Any]:
+    """Mean time of one rank's batch read, forward (with the loss), backward and optimizer step (with
     zero_grad; the workload's optimizer over the whole model), alone in this process with the rank's
-    intra-op threads: the workload's own kernels benchmarked on this machine. `backward`: the
-    strategy's own gradient pass where it replaces `loss.backward()` (Strategy.kernel_backward: a
-    private step's per-sample gradients), timed as the backward.
+    intra-op threads: the workload's own kernels benchmarked on this machine. The mean, not the median:
+    a run's step time is the mean of its steps, hiccups included (the MLP's forward: mean 1-4% above the
+    median over 300 steps). `backward`: the strategy's own gradient pass where it replaces
+    `loss.backward()` (Strategy.kernel_backward: a private step's per-sample gradients), timed as the
+    backward. `pauses_s`: some steps follow a sleep (`pause_before`), and are timed apart from the others:
+    `pause_extra_s[pause]` is their forward + backward beyond the others'.
 
     A one-device profile is what trace-driven predictors start from (Daydream, Zhu et al. 2020); here
     it stands in for the FLOP model where CPU kernels run far from their FLOP or byte rates: a
@@ -118,6 +140,7 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
     torch.set_num_threads(threads)
     ids = torch.arange(per_rank)
     read_s, forward_s, backward_s, optimizer_s = [], [], [], []
+    paused_s: dict[float, list[float]] = {pause: [] for pause in pauses_s}
     def now() -> float:
         if device != "cpu":
             torch.cuda.synchronize(device)
@@ -125,6 +148,9 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
 
     try:
         for i in range(warmup_steps + timed_steps):
+            pause = pause_before(i - warmup_steps, pauses_s) if i >= warmup_steps else 0.0
+            if pause:
+                time.sleep(pause)
             t0 = now()
             x, y = task.train.get(ids % len(task.train))
             x, y = x.to(device), y.to(device)
@@ -139,17 +165,22 @@ def kernel_times(task: Any, workload: Any, per_rank: int, threads: int,
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             t4 = now()
-            if i >= warmup_steps:
+            if pause:
+                paused_s[pause].append(t3 - t1)
+            elif i >= warmup_steps:
                 read_s.append(t1 - t0)
                 forward_s.append(t2 - t1)
                 backward_s.append(t3 - t2)
                 optimizer_s.append(t4 - t3)
     finally:
         torch.set_num_threads(previous_threads)
-    median = statistics.median
-    return {"data_s": median(read_s), "forward_s": median(forward_s), "backward_s": median(backward_s),
-            "optimizer_s": median(optimizer_s), "steps": timed_steps, "threads": threads,
+    mean = statistics.fmean
+    compute_s = mean(forward_s) + mean(backward_s)
+    return {"data_s": mean(read_s), "forward_s": mean(forward_s), "backward_s": mean(backward_s),
+            "optimizer_s": mean(optimizer_s), "steps": len(forward_s), "threads": threads,
             "strategy_backward": backward is not None,
+            **({"pause_extra_s": {str(pause): mean(times) - compute_s for pause, times in paused_s.items() if times}}
+               if pauses_s else {}),
             "compute_samples_s": [f + b for f, b in zip(forward_s, backward_s)]}  # each timed step's
 
 
@@ -212,11 +243,11 @@ def steps_for(step_s: float) -> int:
 def side_by_side_rounds(results: list[list[tuple[dict[str, Any], dict[str, Any]]]], processes: int
                         ) -> dict[str, Any]:
     """The kernels from every rank's rounds (`results[rank][round]`: its times alone, then side by side).
-    Alone: each phase's median over the rounds of its mean over the ranks. Side by side (`together`, where
-    `processes` > 1): `stretch` is the median over the rounds of the round's pooled side-by-side median over
-    its alone compute, both timed seconds apart; `slowest_wait_s` how long the mean rank waits for the
-    slowest of `processes` (a synchronous step waits for its slowest rank), from the side-by-side steps'
-    spread about their round's median, as if normal."""
+    Alone: each phase's median over the rounds of its mean over the ranks (and so `pause_extra_s`). Side by
+    side (`together`, where `processes` > 1): `stretch` is the median over the rounds of the round's pooled
+    side-by-side mean over its alone compute, both timed seconds apart; `slowest_wait_s` how long the mean
+    rank waits for the slowest of `processes` (a synchronous step waits for its slowest rank), from the
+    side-by-side steps' spread about their round's median, as if normal."""
     rounds = range(len(results[0]))
 
     def alone_mean_s(key: str, r: int) -> float:
@@ -227,12 +258,18 @@ def side_by_side_rounds(results: list[list[tuple[dict[str, Any], dict[str, Any]]
                                            for key in KERNEL_PHASES},
                                "steps": sum(results[0][r][0]["steps"] for r in rounds)}
     del kernels["compute_samples_s"]
+    pauses = sorted(first.get("pause_extra_s") or {}, key=float)
+    if pauses:  # like the phases: the median over the rounds of the mean over the ranks
+        kernels["pause_extra_s"] = {pause: statistics.median(
+            statistics.fmean(rank_rounds[r][0]["pause_extra_s"][pause] for rank_rounds in results) for r in rounds)
+            for pause in pauses}
     if processes > 1:
         ratios, deviations_s = [], []
         for r in rounds:
             pooled = [s for rank_rounds in results for s in rank_rounds[r][1]["compute_samples_s"]]
             median_s = statistics.median(pooled)
-            ratios.append(median_s / (alone_mean_s("forward_s", r) + alone_mean_s("backward_s", r)))
+            # means over means: the alone times are means (kernel_times), as a run's step is
+            ratios.append(statistics.fmean(pooled) / (alone_mean_s("forward_s", r) + alone_mean_s("backward_s", r)))
             deviations_s += [abs(s - median_s) for s in pooled]
         # robust to a hiccup: a 100 ms stall in one of 18 timed steps is noise of this machine, not the
         # workload's spread (as a mean or an empirical maximum would take it)
@@ -269,9 +306,9 @@ def kernel_rank(config_json: str) -> list[tuple[dict[str, Any], dict[str, Any]]]
     task = WORKLOADS.get(exp.workload.name).build(exp.workload, exp.seed)
     backward = runtime_class(exp.strategy).kernel_backward(exp.strategy)
 
-    def times(steps: int, warmup: int) -> dict[str, Any]:
+    def times(steps: int, warmup: int, pauses_s: tuple[float, ...] = ()) -> dict[str, Any]:
         return kernel_times(task, exp.workload, exp.per_rank_batch(), exp.cluster.threads_per_rank, backward,
-                            timed_steps=steps, warmup_steps=warmup)
+                            timed_steps=steps, warmup_steps=warmup, pauses_s=pauses_s)
 
     dist.init_process_group("gloo")
     try:
@@ -281,8 +318,9 @@ def kernel_rank(config_json: str) -> list[tuple[dict[str, Any], dict[str, Any]]]
         else:
             steps, rounds = round_steps(times(1, KERNEL_WARMUP_STEPS)), []
             for _ in range(KERNEL_ROUNDS):
-                # one warm-up step a block: the process's allocator is warm after the first
-                alone = each_rank_alone(lambda: times(steps, 1))  # noqa: B023 (called at once)
+                # one warm-up step a block: the process's allocator is warm after the first. Alone, some
+                # steps follow a pause, as a rank's forward follows its wait in a run of several ranks.
+                alone = each_rank_alone(lambda: times(steps, 1, KERNEL_PAUSES_S))  # noqa: B023 (called at once)
                 rounds.append((alone, times(steps, 1)))
         dist.barrier()
     finally:

@@ -66,8 +66,8 @@ from typing import Any, Mapping
 from pydantic import ValidationError
 
 from ddlscope.calibrate.model import (
-    OPS_PER_PARAM_OPTIMIZER, STATE_TENSORS, busy_period_s, emulated_link, gemm_time_s, machine_probe,
-    optimizer_kind, oversubscription_of, required, sync_at)
+    OPS_PER_PARAM_OPTIMIZER, STATE_TENSORS, busy_period_s, emulated_link, gemm_time_s, interpolate_linear,
+    machine_probe, optimizer_kind, oversubscription_of, required, sync_at)
 from ddlscope.calibrate.profile import CalibrationProfile
 from ddlscope.predict.estimators import LocalCase, LocalStep, estimator_for
 from ddlscope.predict.estimators.base import forward_share
@@ -128,6 +128,18 @@ def alone_compute_s(facts: dict[str, Any], compute: Any, op_s: float, mem_bw: fl
     if kernels:
         return float(kernels["forward_s"] + kernels["backward_s"])
     return facts["ops"] * op_s + gemm_time_s(facts, compute) + facts.get("other_op_bytes", 0) / mem_bw
+
+
+def pause_extra_s(facts: dict[str, Any], wait_s: float) -> float:
+    """The forward + backward time beyond the kernels' of a step that follows a wait of `wait_s`: linear
+    between the pauses the kernels were timed after (none after no wait), held beyond the longest; 0
+    where the facts have no such timing. Negative extras (noise about a small one) count as none."""
+    timed = (facts.get("kernels") or {}).get("pause_extra_s")
+    if not timed:
+        return 0.0
+    pauses = sorted((float(pause), max(float(extra), 0.0)) for pause, extra in timed.items())
+    return interpolate_linear([0.0] + [p for p, _ in pauses], [0.0] + [e for _, e in pauses],
+                              min(wait_s, pauses[-1][0]))
 
 
 def kernels_side_by_side(facts: dict[str, Any], world: int) -> dict[str, Any] | None:
@@ -214,6 +226,15 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     if turn_wait_s > 0:
         notes.append(f"{world} computing ranks on {case.cores} cores: each waits its turn for a core "
                      f"({turn_wait_s * 1e3:.2f} ms a step, counted as waiting)")
+    # After each wait the rank's next forward runs slower (calibrate/facts.py KERNEL_PAUSES_S): the kernels'
+    # extra after a pause, at this step's wait spread over its waits, stretched as the compute is.
+    waits = estimator.local_waits_per_step(spec, case)
+    wait_s = comm.comm_s + sync_s + max(turn_wait_s, 0.0)
+    after_wait_s = waits * pause_extra_s(facts, wait_s / waits) * stretch if waits > 0 and wait_s > 0 else 0.0
+    forward_s += after_wait_s
+    if after_wait_s > 0:
+        notes.append(f"after each of its waits ({waits:g} a step, {wait_s / waits * 1e3:.2f} ms each) a rank "
+                     f"computes {after_wait_s / waits * 1e3:.2f} ms slower (its kernels timed after a pause)")
     if facts.get("kernels_error"):
         notes.append(f"the workload's kernels could not be timed in ranks ({facts['kernels_error']}): "
                      f"compute priced from FLOPs and bytes instead")

@@ -160,6 +160,12 @@ class Estimator:
         per-sample gradients for differential privacy compute one more forward): 1 by default."""
         return 1.0
 
+    def local_waits_per_step(self, spec: StrategySpec, case: LocalCase) -> float:
+        """How often a rank's compute follows a wait (for a collective, a server, a neighbour), per step: once
+        a step in a run of several ranks by default, none alone. Each costs the kernels' `pause_extra_s` at
+        the wait's length (predict/local.py): the next forward runs slower after the rank was away."""
+        return 1.0 if case.world > 1 else 0.0
+
     def local_optimizer_bytes(self, spec: StrategySpec, case: LocalCase) -> float:
         """Parameter bytes the optimizer steps on one worker."""
         return case.param_bytes

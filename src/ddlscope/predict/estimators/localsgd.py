@@ -148,6 +148,10 @@ class ModelAveragingEstimator(Estimator):
                           + (f", every {1 / rate:g} steps" if rate else ", none within the run's measured steps"))
         return comm
 
+    def local_waits_per_step(self, spec: ModelAveragingSpec, case: LocalCase) -> float:
+        """A rank waits only at its averages (the steps between go straight on)."""
+        return measured_averages_per_step(spec, case)
+
     def model_passes_per_step(self, spec: ModelAveragingSpec, case: LocalCase) -> float:
         """Passes over the model's bytes a measured step makes around its averages (synchronize phase)."""
         return AVERAGER_PASSES * measured_averages_per_step(spec, case)
