@@ -26,7 +26,8 @@ Per step and rank:
   ddp: the calibrated DDP cost at the model's size (hooks, bucket copies and
   the all-reduces as a step pays them on this machine), interpolated between
   the probed model sizes; with an emulated link at least the smallest
-  model's cost plus the link's time for one all-reduce per bucket_mb bucket
+  model's cost less its own all-reduce (the link's wait hides it) plus, per
+  bucket_mb bucket, the larger of the link's and gloo's time for its all-reduce
   (on CPU/gloo DDP's all-reduce ends after backward's last bucket, so it
   counts as exposed); without the probe, the all-reduces from the table;
   fsdp: per unit the calibrated FSDP cost at its size (hooks, copies, its
@@ -45,7 +46,8 @@ Per step and rank:
   makes (server_apply_passes).
 - synchronisation: a rank that finishes its compute waits for the slowest and
   for gloo's threads to wake: for a synchronous strategy at least the wait
-  the kernels' spread side by side gives (where timed), and the calibrated
+  the kernels' spread side by side gives (where timed, and where the ranks
+  do not outnumber the cores), and the calibrated
   `sync_overhead_s` per step
   wherever no probe of the strategy holds that wait already: ddp/fsdp
   without their probes (which time whole steps), parameter servers without
@@ -213,8 +215,13 @@ def predict_local(config: dict[str, Any], environment: dict[str, Any], facts: di
     # The synchronisation probe is for a strategy with no probe of its own that holds the wait. A
     # synchronous step also waits for its slowest rank's compute: as the kernels side by side spread,
     # where timed (the probes' own compute is small; the synchronisation probe's wait holds its blocks').
+    # Not where more ranks compute than there are cores: there the side-by-side spread is the scheduler
+    # interleaving the ranks, which the stretch holds already (a rank that finishes first sleeps in the
+    # collective and hands its core to the one behind, which catches up). R4 (session 23): ddp x4 on the
+    # loopback priced 17.3 ms of waiting, 3.0 of it this wait, where the run waited 13.7.
+    slowest_wait_s = case.kernel_slowest_wait_s if spec.traits.synchronous and oversubscription <= 1 else 0.0
     probe_wait_s = sync_overhead_s if world > 1 and not comm.holds_sync_wait else 0.0
-    sync_s = max(probe_wait_s, case.kernel_slowest_wait_s if spec.traits.synchronous else 0.0)
+    sync_s = max(probe_wait_s, slowest_wait_s)
     # Turn-taking for a core: the step cannot be shorter than the CPU work ranks / cores times over.
     # Counted for DDP and FSDP too, whose probes hold the turn-taking of their own (tiny) compute only:
     # with the compute timed as kernels, CNN ddp x4 on 2 cores went from -63% to -33% and the MLP's from
